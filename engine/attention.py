@@ -1,0 +1,184 @@
+"""Attention metadata, the paged KV cache tensors and the torch reference backend.
+
+Models call a backend through four functions and never look at block tables
+themselves:
+
+    backend.encoder_attention(q, k, v, meta, scale, bias_table)   # packed, bidirectional
+    backend.store_kv(k, v, k_cache, v_cache, slot_mapping)         # write new K/V into slots
+    backend.self_attention(q, k_cache, v_cache, meta, scale, bias_table)   # causal, paged
+    backend.cross_attention(q, k_cache, v_cache, meta, scale)      # over the request's encoder K/V
+
+Cache layout, per layer and per pool: ``[num_blocks, tokens_per_block, num_heads, head_dim]``.
+Slot ``s`` is block ``s // tokens_per_block``, offset ``s % tokens_per_block``.
+
+T5 relative bias tables (the bucketing is done by the model, once):
+  encoder: ``[num_heads, 2 * L - 1]``, bias(q_pos, k_pos) = table[:, k_pos - q_pos + L - 1]
+  decoder: ``[num_heads, L]``, bias(q_pos, k_pos) = table[:, q_pos - k_pos] (causal, so >= 0)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class EncoderMetadata:
+    """A packed encoder microbatch of ``B`` requests."""
+
+    cu_seqlens: torch.Tensor          # [B + 1] int32, on device
+    seq_lens: list[int]               # host copy
+    positions: torch.Tensor | None    # [num_tokens] int64 (text encoders), None for Whisper
+    cross_slot_mapping: torch.Tensor  # [num_tokens] int64: cross-pool slot of every encoder position
+
+    @property
+    def max_seqlen(self) -> int:
+        return max(self.seq_lens)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens)
+
+
+@dataclass
+class DecoderMetadata:
+    """A flat decoder batch of ``S`` sequences with ``N`` new tokens in all."""
+
+    query_start_loc: torch.Tensor     # [S + 1] int32: sequence i's new tokens are q[qsl[i]:qsl[i+1]]
+    seq_lens: torch.Tensor            # [S] int32: context length including the new tokens
+    block_tables: torch.Tensor        # [S, max_blocks] int32, self pool (padded with 0)
+    slot_mapping: torch.Tensor        # [N] int64: self-pool slot of each new token
+    cross_block_tables: torch.Tensor  # [S, max_cross_blocks] int32, cross pool
+    enc_lens: torch.Tensor            # [S] int32
+    query_lens_host: list[int]
+    seq_lens_host: list[int]
+    enc_lens_host: list[int]
+    last_token_indices: torch.Tensor  # [S] int64: index into the N tokens of each sequence's last token
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return all(q == 1 for q in self.query_lens_host)
+
+
+@dataclass
+class LayerKV:
+    k: torch.Tensor   # [num_blocks, tokens_per_block, num_heads, head_dim]
+    v: torch.Tensor
+
+
+@dataclass
+class KVCache:
+    """Both pools for every decoder layer."""
+
+    self_kv: list[LayerKV]
+    cross_kv: list[LayerKV]
+
+    @property
+    def tokens_per_block(self) -> int:
+        return self.self_kv[0].k.shape[1]
+
+    @staticmethod
+    def allocate(num_layers: int, num_heads: int, head_dim: int, tokens_per_block: int,
+                 num_self_blocks: int, num_cross_blocks: int, dtype, device) -> "KVCache":
+        def pool(n):
+            shape = (n, tokens_per_block, num_heads, head_dim)
+            return [LayerKV(torch.zeros(shape, dtype=dtype, device=device),
+                            torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
+        return KVCache(pool(num_self_blocks), pool(num_cross_blocks))
+
+
+def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` positions of one sequence: [length, num_heads, head_dim]."""
+    tpb = cache.shape[1]
+    n = (length + tpb - 1) // tpb
+    return cache[block_table[:n].long()].flatten(0, 1)[:length]
+
+
+class TorchAttentionBackend:
+    """Reference backend: gathers blocks and runs ``scaled_dot_product_attention``.
+
+    Runs anywhere (the CPU/CI path). Loops over sequences; the Triton backend is the fast path.
+    """
+
+    name = "torch"
+
+    def encoder_attention(self, q, k, v, meta: EncoderMetadata, scale: float,
+                          bias_table: torch.Tensor | None = None) -> torch.Tensor:
+        # q, k, v: [num_tokens, num_heads, head_dim] packed by meta.cu_seqlens
+        out = torch.empty_like(q)
+        starts = meta.cu_seqlens.tolist()
+        for i, n in enumerate(meta.seq_lens):
+            s = starts[i]
+            qi, ki, vi = (t[s:s + n].transpose(0, 1) for t in (q, k, v))  # [H, n, D]
+            bias = None
+            if bias_table is not None:
+                L = (bias_table.shape[1] + 1) // 2
+                pos = torch.arange(n, device=q.device)
+                rel = pos[None, :] - pos[:, None] + L - 1               # [n, n] k_pos - q_pos
+                bias = bias_table[:, rel].to(q.dtype)                    # [H, n, n]
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=bias, scale=scale)
+            out[s:s + n] = o.transpose(0, 1)
+        return out
+
+    def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        # k, v: [N, H, D]; slot_mapping: [N]
+        slots = slot_mapping.long()
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
+
+    def self_attention(self, q, k_cache, v_cache, meta: DecoderMetadata, scale: float,
+                       bias_table: torch.Tensor | None = None) -> torch.Tensor:
+        # q: [N, H, D]; the new tokens' K/V are already stored.
+        out = torch.empty_like(q)
+        qsl = meta.query_start_loc.tolist()
+        for i, (qn, sl) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
+            s = qsl[i]
+            k = gather_blocks(k_cache, meta.block_tables[i], sl).transpose(0, 1)   # [H, sl, D]
+            v = gather_blocks(v_cache, meta.block_tables[i], sl).transpose(0, 1)
+            qi = q[s:s + qn].transpose(0, 1)                                      # [H, qn, D]
+            q_pos = torch.arange(sl - qn, sl, device=q.device)
+            k_pos = torch.arange(sl, device=q.device)
+            rel = q_pos[:, None] - k_pos[None, :]                                 # [qn, sl]
+            mask = torch.zeros(rel.shape, dtype=q.dtype, device=q.device)
+            mask.masked_fill_(rel < 0, float("-inf"))
+            if bias_table is not None:
+                mask = mask + bias_table[:, rel.clamp(min=0)].to(q.dtype)         # [H, qn, sl]
+            o = F.scaled_dot_product_attention(qi, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
+            out[s:s + qn] = o.transpose(0, 1)
+        return out
+
+    def cross_attention(self, q, k_cache, v_cache, meta: DecoderMetadata, scale: float) -> torch.Tensor:
+        out = torch.empty_like(q)
+        qsl = meta.query_start_loc.tolist()
+        for i, (qn, el) in enumerate(zip(meta.query_lens_host, meta.enc_lens_host)):
+            s = qsl[i]
+            k = gather_blocks(k_cache, meta.cross_block_tables[i], el).transpose(0, 1)
+            v = gather_blocks(v_cache, meta.cross_block_tables[i], el).transpose(0, 1)
+            qi = q[s:s + qn].transpose(0, 1)
+            o = F.scaled_dot_product_attention(qi, k.to(q.dtype), v.to(q.dtype), scale=scale)
+            out[s:s + qn] = o.transpose(0, 1)
+        return out
+
+
+_ALIASES = {"torch": "torch", "vanilla": "torch", "triton": "triton", "trtllm": "triton"}
+VALID_ATTN_BACKENDS = ("torch", "triton", "TRTLLM", "VANILLA")
+
+
+def canonical_backend_name(name: str) -> str:
+    key = str(name).lower()
+    if key not in _ALIASES:
+        raise ValueError(f"attn_backend={name!r} is not supported; valid: {', '.join(VALID_ATTN_BACKENDS)}")
+    return _ALIASES[key]
+
+
+def get_attention_backend(name: str):
+    name = canonical_backend_name(name)
+    if name == "torch":
+        return TorchAttentionBackend()
+    from enc2dec.kernels.backend import TritonAttentionBackend  # lazy: triton is optional
+    return TritonAttentionBackend()

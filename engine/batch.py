@@ -1,0 +1,79 @@
+"""The two objects that cross between policy and mechanism each step.
+
+``SchedulerOutput`` goes from the (pure Python) scheduler to the model runner;
+``ModelRunnerOutput`` comes back. Both are plain data: picklable, no torch types
+except the opaque ``encoder_input`` and ``sampling_params`` the runner understands.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ScheduledEncode:
+    """A request admitted this step: encode it and write its cross K/V."""
+
+    request_id: str
+    encoder_input: Any            # list[int] token ids, or a [n_mels, frames] feature tensor
+    encoder_len: int              # positions written to the cross pool
+    cross_block_ids: list[int]    # cross-pool blocks, ceil(encoder_len / tokens_per_block)
+    sampling_params: Any = None   # SamplingParams; the runner keeps it until the request ends
+    seq_ids: list[int] = field(default_factory=list)
+    seq_indices: list[int] = field(default_factory=list)
+
+
+@dataclass
+class ScheduledSeq:
+    """One decoder sequence to advance by one sampled token this step."""
+
+    seq_id: int
+    request_id: str
+    input_token_ids: list[int]    # tokens to feed: token_ids[num_computed_tokens:]
+    start_pos: int                # decoder position of input_token_ids[0]
+    block_ids: list[int]          # self-attention block table (covers start_pos + len(inputs))
+    cross_block_ids: list[int]
+    encoder_len: int
+    num_output_tokens: int        # output tokens before this step (min_tokens, begin-suppress)
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.input_token_ids)
+
+    @property
+    def seq_len(self) -> int:
+        """Decoder context length after this step's tokens are written."""
+        return self.start_pos + len(self.input_token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    encodes: list[ScheduledEncode] = field(default_factory=list)
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    # Requests whose runner-side state (generators, params) can be dropped.
+    finished_request_ids: list[str] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.encodes and not self.seqs
+
+    @property
+    def num_encoder_tokens(self) -> int:
+        return sum(e.encoder_len for e in self.encodes)
+
+    @property
+    def num_decoder_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.seqs)
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float = 0.0                       # log-probability of token_id (0.0 when not asked)
+    top_logprobs: dict[int, float] | None = None
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled: dict[int, SampledToken] = field(default_factory=dict)   # seq_id -> token

@@ -1,0 +1,112 @@
+"""Request and sequence state shared by the scheduler and the engine loop.
+
+Pure Python: nothing here imports torch. A request owns one encoder input (text tokens
+or audio features, opaque here) and one or more decoder sequences (``n`` parallel
+samples, later beams). All sequences of a request share its cross-attention blocks.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"          # not encoded (new, or preempted: its KV was dropped)
+    RUNNING = "running"          # cross-KV written, decoding
+    FINISHED_STOPPED = "stop"    # EOS, a stop token id or a stop string
+    FINISHED_LENGTH = "length"   # max_tokens or the decoder position table
+    FINISHED_ABORTED = "abort"   # cancelled by the caller, or failed
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.value if self.is_finished else None
+
+
+_seq_counter = itertools.count()
+
+
+@dataclass
+class Sequence:
+    """One decoder sequence.
+
+    ``token_ids`` is every decoder token, the prefix included: ``[decoder_start]``,
+    ``[decoder_start, forced_bos]`` or a Whisper prompt, then the sampled tokens.
+    The first ``num_hidden_tokens`` are not returned to the user (the start token, or
+    the whole Whisper prompt); so a forced BOS is returned and counts as output.
+    ``num_computed_tokens`` decoder tokens have their K/V in the self-attention pool;
+    a step computes ``token_ids[num_computed_tokens:]`` and samples one token after.
+    """
+
+    token_ids: list[int]
+    num_hidden_tokens: int
+    index: int = 0
+    seq_id: int = field(default_factory=lambda: next(_seq_counter))
+    block_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, float]] | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_hidden_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_hidden_tokens
+
+    @property
+    def num_new_tokens(self) -> int:
+        """Decoder tokens the next step must feed (1 while decoding; more on first or resumed steps)."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+
+@dataclass
+class Request:
+    """A user request as the scheduler sees it.
+
+    ``encoder_len`` is the number of encoder positions whose cross K/V must be stored
+    (prompt tokens, or Whisper's 1500 frames). ``encoder_input`` is opaque to the
+    scheduler (token ids or a feature tensor) and is handed to the model runner.
+    ``max_output_tokens`` already includes the forced BOS and the Whisper position cap.
+    """
+
+    request_id: str
+    encoder_len: int
+    encoder_input: Any
+    seqs: list[Sequence]
+    max_output_tokens: int
+    sampling_params: Any = None
+    eos_token_ids: frozenset[int] = frozenset()
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    cross_block_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    arrival_time: float = field(default_factory=time.monotonic)
+    num_preemptions: int = 0
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+    @property
+    def live_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.is_finished]
