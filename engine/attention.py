@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .config import canonical_backend_name
+
 
 @dataclass
 class EncoderMetadata:
@@ -163,17 +165,6 @@ class TorchAttentionBackend:
             o = F.scaled_dot_product_attention(qi, k.to(q.dtype), v.to(q.dtype), scale=scale)
             out[s:s + qn] = o.transpose(0, 1)
         return out
-
-
-_ALIASES = {"torch": "torch", "vanilla": "torch", "triton": "triton", "trtllm": "triton"}
-VALID_ATTN_BACKENDS = ("torch", "triton", "TRTLLM", "VANILLA")
-
-
-def canonical_backend_name(name: str) -> str:
-    key = str(name).lower()
-    if key not in _ALIASES:
-        raise ValueError(f"attn_backend={name!r} is not supported; valid: {', '.join(VALID_ATTN_BACKENDS)}")
-    return _ALIASES[key]
 
 
 def get_attention_backend(name: str):

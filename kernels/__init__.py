@@ -1,0 +1,103 @@
+"""Triton kernels for the GPU path, each with a pure-torch reference in ``reference.py``.
+
+Importing this package (or any kernel module) needs no Triton: kernels are decorated on
+first launch (``lazy_jit``), so ``TRITON_INTERPRET`` is read when the first kernel runs, and
+every public op falls back to its torch reference when Triton cannot run the tensor it got
+(no Triton installed, or a CPU tensor without ``TRITON_INTERPRET=1``).
+
+Public ops (each has a ``*_ref`` twin with the same signature in ``reference.py``):
+
+    paged_attention, store_kv, fused_add_rms_norm, fused_add_layer_norm, gelu, gated_gelu
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+
+import torch
+
+_LAZY = {
+    "paged_attention": "paged_attention",
+    "store_kv": "kv_store",
+    "fused_add_rms_norm": "norms",
+    "fused_add_layer_norm": "norms",
+    "gelu": "activations",
+    "gated_gelu": "activations",
+    "TritonAttentionBackend": "backend",
+}
+
+__all__ = ["triton_available", "can_use_triton", "lazy_jit", *_LAZY]
+
+
+@functools.cache
+def triton_available() -> bool:
+    """True when the ``triton`` package can be imported (it need not have a GPU)."""
+    try:
+        importlib.import_module("triton.language")
+    except Exception:  # absent or broken: the torch references take over
+        return False
+    return True
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def can_use_triton(*tensors: torch.Tensor) -> bool:
+    """Whether the Triton kernels can run on these tensors (else use the reference)."""
+    if not triton_available():
+        return False
+    on_cuda = all(t.is_cuda for t in tensors)
+    on_cpu = all(t.device.type == "cpu" for t in tensors)
+    return on_cuda or (on_cpu and interpreting())
+
+
+class lazy_jit:
+    """``triton.jit`` applied at first launch, so importing a kernel module needs no Triton.
+
+    Kernels decorated this way must not call other jit functions (inline helpers instead).
+    """
+
+    def __init__(self, fn):
+        self.fn = fn
+        self._kernel = None
+        functools.update_wrapper(self, fn)
+
+    def __getitem__(self, grid):
+        if self._kernel is None:
+            import triton
+            if interpreting():
+                _patch_interpreter_index()
+            self._kernel = triton.jit(self.fn)
+        return self._kernel[grid]
+
+
+@functools.cache
+def _patch_interpreter_index() -> None:
+    """Let triton<=3.6's CPU interpreter run loops with runtime bounds under NumPy >= 2.4.
+
+    Its ``tensor.__index__`` calls ``int()`` on a one-element array, which NumPy 2.4 made
+    an error (triton-lang/triton#9171, fixed upstream after 3.6). Only ever applied in
+    interpreter mode; a fixed triton is left alone.
+    """
+    import inspect
+
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or "int(self.handle.data)" not in inspect.getsource(original):
+        return
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        module = importlib.import_module(f"{__name__}.{_LAZY[name]}")
+        return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

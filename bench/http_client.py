@@ -1,0 +1,146 @@
+"""A running OpenAI-compatible server as a bench target (``--url``), through ``httpx``.
+
+Text requests go to ``/v1/completions`` with ``stream: true`` (so TTFT and ITL are
+measured), token ids as the prompt, ``temperature: 0``, ``max_tokens`` plus the
+``ignore_eos`` / ``min_tokens`` extensions (vLLM, TensorRT-LLM and enc2dec honour them) so
+lengths are exact. Output tokens are the server's ``usage.completion_tokens`` when it
+reports them, else the number of streamed chunks. Audio goes to
+``/v1/audio/transcriptions`` as a WAV upload; streamed only with ``--streaming``.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+from .audio import wav_bytes
+from .errors import BenchInputError
+from .metrics import RequestRecord
+from .workloads import BenchRequest
+
+
+def _httpx():
+    try:
+        import httpx
+    except ImportError:
+        raise BenchInputError("--url needs the 'httpx' package: pip install httpx") from None
+    return httpx
+
+
+def normalize_url(url: str) -> str:
+    url = url.strip().rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise BenchInputError(f"--url {url!r} must start with http:// or https://")
+    return url[:-3] if url.endswith("/v1") else url
+
+
+class HttpTarget:
+    name = "http"
+    tokenizer = None
+
+    def __init__(self, url: str, model: str | None, concurrency: int, streaming: bool = False,
+                 timeout_s: float = 600.0):
+        self.url = normalize_url(url)
+        self.model = model
+        self.streaming = streaming
+        httpx = _httpx()
+        self._httpx = httpx
+        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+        self.client = httpx.AsyncClient(base_url=self.url, limits=limits,
+                                        timeout=httpx.Timeout(timeout_s, connect=10.0))
+
+    async def connect(self) -> None:
+        """Fails fast (exit 2) when nothing answers; learns the model name from /v1/models."""
+        try:
+            r = await self.client.get("/v1/models", timeout=10.0)
+        except self._httpx.HTTPError as e:
+            raise BenchInputError(f"cannot reach {self.url}: {type(e).__name__}: {e or 'no answer'}; "
+                                  "is the server running?") from None
+        if self.model is None and r.status_code == 200:
+            try:
+                self.model = r.json()["data"][0]["id"]
+            except (ValueError, KeyError, IndexError, TypeError):
+                pass
+
+    async def begin_level(self) -> None:
+        pass
+
+    async def end_level(self) -> dict:
+        return {}
+
+    async def send(self, req: BenchRequest) -> RequestRecord:
+        rec = RequestRecord(start_s=time.monotonic(), input_len=req.input_len, audio_s=req.audio_s)
+        try:
+            if req.is_audio:
+                await self._transcribe(req, rec)
+            else:
+                await self._complete(req, rec)
+        except self._httpx.HTTPError as e:
+            rec.error = f"{type(e).__name__}: {e}"
+        rec.end_s = time.monotonic()
+        return rec
+
+    async def _complete(self, req: BenchRequest, rec: RequestRecord) -> None:
+        body = {"model": self.model or "", "prompt": req.prompt, "max_tokens": req.output_len,
+                "min_tokens": req.output_len, "ignore_eos": True, "temperature": 0.0, "stream": True,
+                "stream_options": {"include_usage": True}}
+        async with self.client.stream("POST", "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                rec.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:300]}"
+                return
+            usage = await self._read_events(resp, rec)
+        rec.output_len = int(usage.get("completion_tokens") or len(rec.token_times_s))
+        rec.input_len = int(usage.get("prompt_tokens") or rec.input_len)
+
+    async def _transcribe(self, req: BenchRequest, rec: RequestRecord) -> None:
+        wave_16k = req.prompt["multi_modal_data"]["audio"][0][0]
+        files = {"file": ("audio.wav", wav_bytes(wave_16k), "audio/wav")}
+        data = {"model": self.model or "", "response_format": "json", "temperature": "0",
+                "max_tokens": str(req.output_len), "ignore_eos": "true",
+                "stream": "true" if self.streaming else "false"}
+        if self.streaming:
+            async with self.client.stream("POST", "/v1/audio/transcriptions", files=files, data=data) as resp:
+                if resp.status_code != 200:
+                    rec.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:300]}"
+                    return
+                usage = await self._read_events(resp, rec)
+        else:
+            resp = await self.client.post("/v1/audio/transcriptions", files=files, data=data)
+            if resp.status_code != 200:
+                rec.error = f"HTTP {resp.status_code}: {resp.text[:300]}"
+                return
+            try:
+                usage = resp.json().get("usage") or {}
+            except ValueError:
+                usage = {}
+        rec.output_len = int(usage.get("output_tokens") or usage.get("completion_tokens")
+                             or len(rec.token_times_s) or req.output_len)
+
+    @staticmethod
+    async def _read_events(resp, rec: RequestRecord) -> dict:
+        """Server-sent events: one token arrival per chunk that carries output; returns usage."""
+        usage: dict = {}
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == "[DONE]":
+                break
+            try:
+                event = json.loads(payload)
+            except ValueError:
+                continue
+            if not isinstance(event, dict):
+                continue
+            if event.get("error"):
+                rec.error = f"server error: {event['error']}"
+                break
+            usage = event.get("usage") or usage
+            if event.get("choices") or event.get("type") == "transcript.text.delta":
+                rec.token_times_s.append(time.monotonic())
+        return usage
+
+    def close(self) -> None:
+        pass
+
+    async def aclose(self) -> None:
+        await self.client.aclose()

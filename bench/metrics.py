@@ -1,0 +1,145 @@
+"""Per-request timings in, one flat record of metrics per (backend, concurrency level) out.
+
+Definitions (docs/bench.md restates them for users). All times are one monotonic clock
+of the bench process, in seconds here and milliseconds in the record.
+- TTFT: request sent -> its first output token available to the client.
+- E2E: request sent -> its last output available.
+- TPOT: per request (E2E - TTFT) / (output tokens - 1), requests with >= 2 tokens.
+- ITL: gaps between consecutive output arrivals, pooled over all requests.
+- Throughputs divide by the level's duration: first request sent -> last one done.
+Percentiles interpolate linearly between order statistics (numpy's default).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+LATENCIES = ("ttft", "tpot", "itl", "e2e")
+STATS = ("mean", "p50", "p90", "p99")
+
+
+@dataclass
+class RequestRecord:
+    start_s: float                                    # the client sent it
+    end_s: float = 0.0                                # its last output arrived
+    token_times_s: list[float] = field(default_factory=list)   # arrival of each output step, first included
+    input_len: int = 0
+    output_len: int = 0
+    audio_s: float = 0.0
+    error: str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.token_times_s[0] - self.start_s if self.token_times_s else None
+
+    @property
+    def e2e_s(self) -> float:
+        return self.end_s - self.start_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        ttft = self.ttft_s
+        if ttft is None or self.output_len < 2:
+            return None
+        return max(0.0, self.e2e_s - ttft) / (self.output_len - 1)
+
+    @property
+    def itls_s(self) -> list[float]:
+        t = self.token_times_s
+        return [b - a for a, b in zip(t, t[1:])]
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0..100), linear interpolation; values need not be sorted."""
+    if not values:
+        raise ValueError("percentile of no values")
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def summarize_ms(values_s: list[float]) -> dict[str, float | None]:
+    if not values_s:
+        return {stat: None for stat in STATS}
+    ms = [v * 1000.0 for v in values_s]
+    return {"mean": sum(ms) / len(ms), "p50": percentile(ms, 50), "p90": percentile(ms, 90),
+            "p99": percentile(ms, 99)}
+
+
+@dataclass
+class LevelMetrics:
+    """One row of the report: a backend at one concurrency level. ``to_dict`` is the JSON record."""
+
+    backend: str                       # "enc2dec", "http", "hf", "hf-compile"
+    concurrency: int
+    num_requests: int                  # sent and measured (warm-up excluded)
+    completed: int
+    failed: int
+    duration_s: float
+    req_per_s: float
+    input_tokens: int
+    output_tokens: int
+    out_tok_per_s: float
+    total_tok_per_s: float
+    latency_ms: dict[str, dict[str, float | None]]    # {"ttft": {"mean", "p50", "p90", "p99"}, ...}
+    audio_s: float = 0.0
+    rtf: float | None = None           # audio seconds per wall second (higher is faster)
+    peak_gpu_mem_gib: float | None = None
+    kv_self_blocks_peak: int | None = None
+    kv_self_blocks_total: int | None = None
+    kv_cross_blocks_peak: int | None = None
+    kv_cross_blocks_total: int | None = None
+    num_preemptions: int = 0
+    errors: list[str] = field(default_factory=list)  # the first few distinct failure messages
+
+    def get(self, key: str):
+        """A flat metric by name: ``out_tok_per_s``, ``p99_e2e_ms``, ``mean_ttft_ms``, ..."""
+        stat, _, rest = key.partition("_")
+        if stat in STATS and rest.endswith("_ms") and rest[:-3] in LATENCIES:
+            return self.latency_ms[rest[:-3]][stat]
+        return getattr(self, key)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        del d["latency_ms"]
+        for name, stats in self.latency_ms.items():
+            for stat, value in stats.items():
+                d[f"{stat}_{name}_ms"] = value
+        return d
+
+
+def metric_names() -> list[str]:
+    """Every numeric metric a ``--fail-under`` threshold may name."""
+    flat = [f"{s}_{m}_ms" for m in LATENCIES for s in STATS]
+    return ["completed", "failed", "duration_s", "req_per_s", "out_tok_per_s", "total_tok_per_s",
+            "input_tokens", "output_tokens", *flat, "audio_s", "rtf", "peak_gpu_mem_gib",
+            "kv_self_blocks_peak", "kv_cross_blocks_peak", "num_preemptions"]
+
+
+def compute_level(backend: str, concurrency: int, records: list[RequestRecord], duration_s: float,
+                  **extra) -> LevelMetrics:
+    ok = [r for r in records if r.ok]
+    duration_s = max(duration_s, 1e-9)
+    in_tok = sum(r.input_len for r in ok)
+    out_tok = sum(r.output_len for r in ok)
+    audio_s = sum(r.audio_s for r in ok)
+    latency = {
+        "ttft": summarize_ms([t for r in ok if (t := r.ttft_s) is not None]),
+        "tpot": summarize_ms([t for r in ok if (t := r.tpot_s) is not None]),
+        "itl": summarize_ms([g for r in ok for g in r.itls_s]),
+        "e2e": summarize_ms([r.e2e_s for r in ok]),
+    }
+    errors = list(dict.fromkeys(r.error for r in records if not r.ok))[:5]
+    return LevelMetrics(
+        backend=backend, concurrency=concurrency, num_requests=len(records), completed=len(ok),
+        failed=len(records) - len(ok), duration_s=duration_s, req_per_s=len(ok) / duration_s,
+        input_tokens=in_tok, output_tokens=out_tok, out_tok_per_s=out_tok / duration_s,
+        total_tok_per_s=(in_tok + out_tok) / duration_s, latency_ms=latency, audio_s=audio_s,
+        rtf=audio_s / duration_s if audio_s > 0 else None,
+        num_preemptions=sum(r.num_preemptions for r in records), errors=errors, **extra)

@@ -1,0 +1,123 @@
+"""What a bench run is asked to do: ``BenchOptions`` (validated), and the workload they make."""
+from __future__ import annotations
+
+import dataclasses
+import random
+from dataclasses import dataclass, field
+
+from .errors import BenchInputError
+from .thresholds import Threshold
+from .workloads import BenchRequest, HfDatasetSpec, LengthDist
+
+DEFAULT_AUDIO_SECONDS = 30.0
+
+
+@dataclass
+class BenchOptions:
+    model: str | None = None
+    load_format: str | None = None          # None: the config's (else the engine's default, auto)
+    dtype: str | None = None
+    device: str | None = None
+    config: str | None = None               # YAML of LLM keys
+    engine_overrides: dict = field(default_factory=dict)   # max_batch_size, ... from the command line
+    concurrency: tuple[int, ...] = (1,)
+    num_requests: tuple[int, ...] | None = None   # one for all levels or one per level; None: max(4 x C, 32)
+    duration_s: float | None = None
+    warmup: int = 2
+    input_len: int = 128
+    output_len: int = 128
+    input_dist: str = "fixed"
+    output_dist: str = "fixed"
+    seed: int = 0
+    dataset: str | None = None
+    hf_dataset: HfDatasetSpec | None = None
+    audio_dir: str | None = None
+    audio_manifest: str | None = None
+    audio_seconds: float | None = None
+    streaming: bool = False
+    baselines: tuple[str, ...] = ()
+    url: str | None = None
+    thresholds: tuple[Threshold, ...] = ()
+    command: str | None = None
+
+    def validate(self) -> None:
+        if not self.concurrency or any(c < 1 for c in self.concurrency):
+            raise BenchInputError(f"--concurrency needs integers >= 1, got {list(self.concurrency)}")
+        if isinstance(self.num_requests, int):
+            self.num_requests = (self.num_requests,)
+        if self.num_requests is not None:
+            if any(n < 1 for n in self.num_requests):
+                raise BenchInputError(f"--num-requests must be >= 1, got {list(self.num_requests)}")
+            if len(self.num_requests) not in (1, len(self.concurrency)):
+                raise BenchInputError(f"--num-requests has {len(self.num_requests)} values for "
+                                      f"{len(self.concurrency)} concurrency levels; give one, or one per level")
+        if self.duration_s is not None and self.duration_s <= 0:
+            raise BenchInputError(f"--duration must be > 0 seconds, got {self.duration_s}")
+        if self.warmup < 0:
+            raise BenchInputError(f"--warmup must be >= 0, got {self.warmup}")
+        sources = [name for name, v in (("--dataset", self.dataset), ("--hf-dataset", self.hf_dataset),
+                                        ("--audio-dir", self.audio_dir), ("--audio-manifest", self.audio_manifest))
+                   if v]
+        if len(sources) > 1:
+            raise BenchInputError(f"use one workload source, got {' and '.join(sources)}")
+        if self.audio_seconds is not None and sources:
+            raise BenchInputError(f"--audio-seconds makes synthetic clips; it does not go with {sources[0]}")
+        if self.url is None and not self.model:
+            raise BenchInputError("--model is required (a Hugging Face folder, a hub id, or with "
+                                  "--load-format dummy a known name such as google/flan-t5-small)")
+        if self.baselines and not self.model:
+            raise BenchInputError("--baseline needs --model: the baseline builds the model itself")
+
+    def level_num_requests(self, concurrency: int) -> int | None:
+        if self.num_requests is not None:
+            if len(self.num_requests) == 1:
+                return self.num_requests[0]
+            return self.num_requests[list(self.concurrency).index(concurrency)]
+        return None if self.duration_s is not None else max(4 * concurrency, 32)
+
+    @property
+    def is_audio_requested(self) -> bool:
+        return bool(self.audio_dir or self.audio_manifest or self.audio_seconds is not None
+                    or (self.hf_dataset and self.hf_dataset.audio_field))
+
+
+def build_workload(opts: BenchOptions, is_whisper: bool, vocab_size: int | None) -> tuple[list[BenchRequest], dict]:
+    """The requests every backend replays (cycled when a level needs more), and their description."""
+    from . import audio, workloads
+
+    in_dist = LengthDist.parse(opts.input_dist, opts.input_len, "--input-dist")
+    out_dist = LengthDist.parse(opts.output_dist, opts.output_len, "--output-dist")
+    needed = opts.warmup + max(opts.level_num_requests(c) or 4 * c for c in opts.concurrency)
+    desc = {"output_len": opts.output_len, "output_dist": opts.output_dist, "seed": opts.seed}
+    if opts.is_audio_requested != is_whisper and opts.url is None:
+        raise BenchInputError("audio workloads (--audio-*, --hf-audio-field) need a Whisper model" if not is_whisper
+                              else f"{opts.model} is a Whisper model: bench it on audio (--audio-seconds, "
+                                   "--audio-dir, --audio-manifest or --hf-dataset with --hf-audio-field)")
+    if opts.dataset:
+        reqs = workloads.load_jsonl(opts.dataset, opts.output_len, limit=needed)
+        desc.update(kind="jsonl", path=opts.dataset)
+    elif opts.hf_dataset:
+        reqs = workloads.load_hf_dataset(opts.hf_dataset, opts.output_len, limit=needed)
+        desc.update(kind="hf-dataset", **dataclasses.asdict(opts.hf_dataset))
+    elif opts.audio_dir:
+        reqs = audio.audio_dir_requests(opts.audio_dir, opts.output_len, limit=needed)
+        desc.update(kind="audio-dir", path=opts.audio_dir)
+    elif opts.audio_manifest:
+        reqs = audio.audio_manifest_requests(opts.audio_manifest, opts.output_len, limit=needed)
+        desc.update(kind="audio-manifest", path=opts.audio_manifest)
+    elif is_whisper:
+        seconds = opts.audio_seconds if opts.audio_seconds is not None else DEFAULT_AUDIO_SECONDS
+        out_lens = out_dist.sample(needed, random.Random(opts.seed))
+        reqs = audio.synthetic_audio_requests(needed, seconds, out_lens, opts.seed)
+        desc.update(kind="audio-synthetic", audio_seconds=seconds)
+    else:
+        reqs = workloads.synthetic_requests(needed, in_dist, out_dist, opts.seed, vocab_size)
+        desc.update(kind="synthetic", input_len=opts.input_len, input_dist=opts.input_dist)
+    desc["num_distinct_requests"] = len(reqs)
+    return reqs, desc
+
+
+def _split_warmup(reqs: list[BenchRequest], warmup: int) -> tuple[list[BenchRequest], list[BenchRequest]]:
+    warm = [reqs[i % len(reqs)] for i in range(warmup)]
+    measured = reqs[warmup:] if len(reqs) > warmup else reqs
+    return warm, measured

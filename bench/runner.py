@@ -1,0 +1,169 @@
+"""The in-process engine as a bench target: ``LLM.generate_async`` under the closed loop.
+
+Timing: without streaming, a request's token arrivals are the engine's own per-step
+timestamps (``RequestMetrics.token_times``, the bench's monotonic clock, since the engine
+runs in this process); with ``streaming`` they are the times the client received each
+streamed update. E2E always ends when the client holds the final output.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+from .errors import BenchInputError
+from .metrics import RequestRecord
+from .workloads import BenchRequest
+
+DEFAULT_CROSS_KV_FRACTION = 0.5
+KV_KEYS = ("cross_kv_cache_fraction", "free_gpu_memory_fraction")    # kv_cache_config fields
+
+
+def build_llm_args(model: str, config: str | None = None, **overrides):
+    """``LlmArgs`` from the YAML config plus command-line overrides (None = not given; the
+    ``KV_KEYS`` go into ``kv_cache_config``); a missing ``cross_kv_cache_fraction`` becomes 0.5."""
+    from enc2dec.engine import LlmArgs
+
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    kv_overrides = {k: overrides.pop(k) for k in KV_KEYS if k in overrides}
+    try:
+        args = (LlmArgs.from_yaml(config, model=model, **overrides) if config
+                else LlmArgs.from_dict({}, model=model, **overrides))
+        kv = dataclasses.replace(args.kv_cache_config, **kv_overrides)
+        if kv.cross_kv_cache_fraction is None:
+            kv = dataclasses.replace(kv, cross_kv_cache_fraction=DEFAULT_CROSS_KV_FRACTION)
+        return dataclasses.replace(args, kv_cache_config=kv)
+    except (ValueError, TypeError) as e:
+        raise BenchInputError(f"engine config: {e}") from None
+
+
+def start_llm(args):
+    from enc2dec.engine import LLM
+
+    try:
+        return LLM.from_args(args)
+    except ValueError as e:       # the engine's message for a bad model, option or size
+        raise BenchInputError(f"cannot start the engine for {args.model}: {e}") from None
+
+
+class KvTracker:
+    """Peak KV blocks in use, sampled while a level runs (the pools live in the scheduler)."""
+
+    def __init__(self, llm):
+        core = getattr(llm, "engine", None)
+        self._scheduler = getattr(core, "scheduler", None)
+        plan = getattr(getattr(core, "runner", None), "kv_plan", None)
+        self.self_total = getattr(plan, "num_self_blocks", None)
+        self.cross_total = getattr(plan, "num_cross_blocks", None)
+        self.self_peak = self.cross_peak = 0
+
+    def _used(self, pool_name: str) -> int | None:
+        pool = getattr(self._scheduler, pool_name, None)
+        used = getattr(pool, "num_used_blocks", None)
+        return used() if callable(used) else used
+
+    def sample(self) -> None:
+        s, c = self._used("self_pool"), self._used("cross_pool")
+        if isinstance(s, int):
+            self.self_peak = max(self.self_peak, s)
+        if isinstance(c, int):
+            self.cross_peak = max(self.cross_peak, c)
+
+    async def poll(self, interval_s: float = 0.01) -> None:
+        while True:
+            self.sample()
+            await asyncio.sleep(interval_s)
+
+    def extras(self) -> dict:
+        if self._scheduler is None:
+            return {}
+        return {"kv_self_blocks_peak": self.self_peak, "kv_self_blocks_total": self.self_total,
+                "kv_cross_blocks_peak": self.cross_peak, "kv_cross_blocks_total": self.cross_total}
+
+
+def _cuda_device(llm):
+    device = getattr(getattr(llm, "engine", None), "device", None)
+    return device if getattr(device, "type", None) == "cuda" else None
+
+
+class EngineTarget:
+    name = "enc2dec"
+
+    def __init__(self, llm, streaming: bool = False):
+        self.llm = llm
+        self.streaming = streaming
+        self._kv: KvTracker | None = None
+        self._poller: asyncio.Task | None = None
+
+    @property
+    def tokenizer(self):
+        return getattr(self.llm, "tokenizer", None)
+
+    async def begin_level(self) -> None:
+        device = _cuda_device(self.llm)
+        if device is not None:
+            import torch
+
+            torch.cuda.reset_peak_memory_stats(device)
+        self._kv = KvTracker(self.llm)
+        self._poller = asyncio.ensure_future(self._kv.poll())
+
+    async def end_level(self) -> dict:
+        if self._poller is not None:
+            self._poller.cancel()
+        extras = {}
+        if self._kv is not None:
+            self._kv.sample()
+            extras.update(self._kv.extras())
+        device = _cuda_device(self.llm)
+        if device is not None:
+            import torch
+
+            extras["peak_gpu_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        return extras
+
+    async def send(self, req: BenchRequest) -> RequestRecord:
+        from enc2dec.engine import SamplingParams
+
+        params = SamplingParams(max_tokens=req.output_len, ignore_eos=True, temperature=0.0)
+        rec = RequestRecord(start_s=time.monotonic(), input_len=req.input_len, audio_s=req.audio_s)
+        try:
+            handle = self.llm.generate_async(req.prompt, params, streaming=self.streaming)
+        except ValueError as e:
+            raise BenchInputError(f"{req.source}: the engine rejected the request: {e}") from None
+        final, seen = None, 0
+        if self.streaming:
+            async for out in handle:
+                n = len(out.outputs[0].token_ids) if out.outputs else 0
+                if n > seen:
+                    rec.token_times_s.append(time.monotonic())
+                    seen = n
+                final = out
+        else:
+            final = await handle
+            m = final.metrics
+            rec.token_times_s = list(m.token_times) or ([m.first_token_time] if m.first_token_time else [])
+        rec.end_s = time.monotonic()
+        _fill_from_output(rec, final)
+        return rec
+
+    def close(self) -> None:
+        self.llm.shutdown()
+
+
+def _fill_from_output(rec: RequestRecord, final) -> None:
+    if final is None:
+        rec.error = "the engine returned no output"
+        return
+    if final.prompt_token_ids:
+        rec.input_len = len(final.prompt_token_ids)
+    outputs = final.outputs or []
+    rec.output_len = len(outputs[0].token_ids) if outputs else 0
+    rec.num_preemptions = getattr(final.metrics, "num_preemptions", 0) or 0
+    reason = outputs[0].finish_reason if outputs else None
+    if final.error:
+        rec.error = str(final.error)
+    elif not final.finished or reason == "abort" or not outputs:
+        rec.error = f"request {final.request_id} ended without finishing (finish_reason={reason})"
+    elif rec.output_len == 0:
+        rec.error = f"request {final.request_id} produced no tokens"

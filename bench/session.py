@@ -1,0 +1,196 @@
+"""One bench run: bench the target at every concurrency level, then each baseline on the
+same requests; collect the records and the run's metadata.
+
+The target is the in-process engine, or a server with ``--url``. The engine is shut down
+before the baselines start, so they get the GPU memory its KV pools held.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import platform
+import shlex
+import sys
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Callable
+
+from .errors import BenchInputError
+from .loop import Progress, closed_loop
+from .metrics import LevelMetrics, compute_level
+from .options import BenchOptions, _split_warmup, build_workload
+from .thresholds import check_thresholds
+from .workloads import BenchRequest
+
+__all__ = ["BenchOptions", "BenchResult", "run_bench"]
+
+
+@dataclass
+class BenchResult:
+    levels: list[LevelMetrics]
+    meta: dict
+    primary: str
+    misses: list[str]
+
+    @property
+    def num_failed(self) -> int:
+        return sum(lv.failed for lv in self.levels)
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.misses or self.num_failed else 0
+
+
+async def _bench_target(target, reqs: list[BenchRequest], opts: BenchOptions, progress: Progress,
+                        on_level: Callable[[LevelMetrics], None]) -> None:
+    warm, measured = _split_warmup(reqs, opts.warmup)
+    for c in opts.concurrency:
+        if warm:
+            progress.start(f"{target.name} C={c} warm-up", len(warm))
+            await closed_loop(target.send, warm, min(c, len(warm)), len(warm), None, progress)
+        n = opts.level_num_requests(c)
+        progress.start(f"{target.name} C={c}", n)
+        await target.begin_level()
+        try:
+            records, duration = await closed_loop(target.send, measured, c, n, opts.duration_s, progress)
+        finally:
+            extras = await target.end_level()
+        on_level(compute_level(target.name, c, records, duration, **extras))
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for pkg in ("enc2dec", "torch", "transformers"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def _device_info(device, url: str | None) -> dict:
+    info = {"target": url or "in-process"}
+    if device is not None and getattr(device, "type", None) == "cuda":
+        import torch
+
+        info.update(type="cuda", name=torch.cuda.get_device_name(device))
+    else:
+        info.update(type="cpu", name=f"cpu ({platform.machine()}, {os.cpu_count()} cores)")
+    return info
+
+
+def run_bench(opts: BenchOptions, progress: Progress | None = None,
+              on_level: Callable[[list[LevelMetrics], dict], None] | None = None) -> BenchResult:
+    """Runs the whole bench; ``on_level(levels_so_far, meta)`` after every level (partial reports)."""
+    opts.validate()
+    return _Run(opts, progress or Progress(), on_level).run()
+
+
+class _Run:
+    def __init__(self, opts: BenchOptions, progress: Progress, on_level):
+        self.opts, self.progress, self._on_level = opts, progress, on_level
+        self.primary = "http" if opts.url is not None else "enc2dec"
+        self.levels: list[LevelMetrics] = []
+        self.meta: dict = {
+            "command": opts.command or shlex.join(["enc2dec", *sys.argv[1:]]),
+            "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "versions": _versions(), "model": opts.model, "load_format": opts.load_format,
+            "concurrency": list(opts.concurrency),
+            "num_requests": [opts.level_num_requests(c) for c in opts.concurrency],
+            "duration_s": opts.duration_s, "warmup": opts.warmup, "streaming": opts.streaming,
+            "baselines": list(opts.baselines), "thresholds": [str(t) for t in opts.thresholds]}
+
+    def add(self, level: LevelMetrics) -> None:
+        self.levels.append(level)
+        order = {name: i for i, name in enumerate([self.primary, *self.opts.baselines])}
+        self.levels.sort(key=lambda lv: (lv.concurrency, order.get(lv.backend, 99)))
+        if self._on_level is not None:
+            self._on_level(list(self.levels), self.meta)
+
+    def run(self) -> BenchResult:
+        try:
+            if self.opts.url is not None:
+                reqs, device, dtype = self._run_http()
+            else:
+                reqs, device, dtype = self._run_engine()
+            self._run_baselines(reqs, device, dtype)
+        finally:
+            self.progress.stop()
+        misses = check_thresholds(list(self.opts.thresholds),
+                                  [lv for lv in self.levels if lv.backend == self.primary])
+        self.meta["threshold_misses"] = misses
+        return BenchResult(self.levels, self.meta, self.primary, misses)
+
+    def _run_engine(self):
+        from .runner import EngineTarget, build_llm_args, start_llm
+
+        opts, meta = self.opts, self.meta
+        overrides = dict(opts.engine_overrides, load_format=opts.load_format, dtype=opts.dtype, device=opts.device)
+        args = build_llm_args(opts.model, opts.config, **overrides)
+        llm = start_llm(args)
+        try:
+            core = getattr(llm, "engine", None)
+            hf_config = getattr(core, "hf_config", None)
+            is_whisper = getattr(hf_config, "model_type", None) == "whisper"
+            reqs, meta["workload"] = build_workload(opts, is_whisper, getattr(hf_config, "vocab_size", None))
+            if llm.tokenizer is None and any(r.is_text for r in reqs):
+                raise BenchInputError(f"{next(r.source for r in reqs if r.is_text)}: a text prompt needs a "
+                                      f"tokenizer, and {opts.model} has none (dummy weights); use input_ids rows")
+            device, dtype = getattr(core, "device", None), getattr(core, "dtype", None)
+            if "hf-compile" in opts.baselines and getattr(device, "type", "cpu") != "cuda":
+                raise BenchInputError("--baseline hf-compile needs a CUDA GPU (transformers compiles generate's "
+                                      "forward only there); use --baseline hf on the CPU")
+            meta.update(device=_device_info(device, None), dtype=str(dtype).replace("torch.", ""),
+                        load_format=args.load_format,
+                        engine_args={k: v for k, v in dataclasses.asdict(args).items() if k != "tokenizer"})
+            target = EngineTarget(llm, opts.streaming)
+            asyncio.run(_bench_target(target, reqs, opts, self.progress, self.add))
+        finally:
+            llm.shutdown()
+        return reqs, device, dtype
+
+    def _run_http(self):
+        from .http_client import HttpTarget
+
+        opts, meta = self.opts, self.meta
+        reqs, meta["workload"] = build_workload(opts, opts.is_audio_requested, None)
+        meta.update(device=_device_info(None, opts.url), dtype=opts.dtype)
+
+        async def main():
+            target = HttpTarget(opts.url, opts.model, max(opts.concurrency), opts.streaming)
+            try:
+                await target.connect()
+                meta["model"] = target.model
+                await _bench_target(target, reqs, opts, self.progress, self.add)
+            finally:
+                await target.aclose()
+
+        asyncio.run(main())
+        return reqs, None, None
+
+    def _run_baselines(self, reqs, device, dtype) -> None:
+        opts = self.opts
+        if not opts.baselines:
+            return
+        from .hf_baseline import HfBaseline, resolve_device_dtype
+
+        if device is None:          # --url: the baseline runs here, by the engine's device/dtype rule
+            from enc2dec.engine.model_source import resolve_model
+
+            cfg = resolve_model(opts.model, None, opts.load_format or "auto").hf_config
+            device, dtype = resolve_device_dtype(opts.device or "auto", opts.dtype or "auto", cfg)
+        self.meta.update(baseline_device=str(device), baseline_dtype=str(dtype).replace("torch.", ""))
+        for kind in opts.baselines:
+            base = HfBaseline(kind, opts.model, opts.load_format or "auto", device, dtype)
+            try:
+                for c in opts.concurrency:
+                    n = opts.level_num_requests(c)
+                    self.progress.start(f"{kind} C={c}", n)
+                    records, duration, extras = base.run_level(reqs, c, n, opts.duration_s, opts.warmup,
+                                                               self.progress)
+                    self.add(compute_level(kind, c, records, duration, **extras))
+            finally:
+                base.close()

@@ -1,0 +1,50 @@
+"""The ``enc2dec`` command: one thin Typer module per subcommand."""
+from __future__ import annotations
+
+import typer
+
+app = typer.Typer(
+    name="enc2dec",
+    help="Fast inference for Hugging Face encoder-decoder models (T5, BART, mBART, Whisper).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+@app.callback()
+def _main() -> None:
+    """Fast inference for Hugging Face encoder-decoder models (T5, BART, mBART, Whisper)."""
+
+
+@app.command()
+def version() -> None:
+    """Print the enc2dec, torch and transformers versions."""
+    from importlib.metadata import version as v
+
+    typer.echo(f"enc2dec {v('enc2dec')}")
+    for pkg in ("torch", "transformers", "triton"):
+        try:
+            typer.echo(f"{pkg} {v(pkg)}")
+        except Exception:  # noqa: BLE001 - optional packages
+            typer.echo(f"{pkg} not installed")
+
+
+def _register() -> None:
+    # Each command module exposes `register(app)`; a missing one is simply not offered.
+    import importlib
+
+    for name in ("bench", "transcribe", "serve", "eval_cmd"):
+        try:
+            module = importlib.import_module(f"enc2dec.cli.{name}")
+        except ModuleNotFoundError as e:
+            if e.name == f"enc2dec.cli.{name}":
+                continue
+            raise
+        module.register(app)
+
+
+_register()
+
+if __name__ == "__main__":
+    app()

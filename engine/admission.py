@@ -1,0 +1,79 @@
+"""Scheduler limits, and the static question: can this request ever be scheduled?
+
+Pure Python (no torch). ``admission_error`` is asked once per request, before it is
+queued, so that a request that could never fit becomes a clear error for the user
+instead of a request that waits forever at the head of the FCFS queue.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from enc2dec.engine.block_manager import blocks_needed
+from enc2dec.engine.request import Request, Sequence
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    max_batch_size: int          # running decoder sequences (parallel samples and beams count)
+    max_num_tokens: int          # per step: encoder positions + decoder tokens fed
+    encoder_max_batch_size: int  # requests encoded in one step
+    encoder_max_num_tokens: int  # encoder positions in one step
+    tokens_per_block: int
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{f.name} must be a positive integer, got {value!r}")
+
+
+def max_kv_tokens(req: Request, seq: Sequence) -> int:
+    """Most decoder positions ``seq`` ever holds in the self pool (its last token is never fed)."""
+    return seq.num_hidden_tokens + req.max_output_tokens - 1
+
+
+def admission_error(req: Request, limits: SchedulerLimits, num_self_blocks: int,
+                    num_cross_blocks: int) -> str | None:
+    """Why ``req`` can never be scheduled; None if it can.
+
+    Checked against an empty engine and the worst case of the request's life: every
+    sequence at its last step, recomputed in one step after a preemption. Passing this
+    check guarantees the request runs once the requests ahead of it are done.
+    """
+    tpb = limits.tokens_per_block
+    seqs = req.live_seqs
+    if not seqs:
+        return "the request has no unfinished decoder sequence"
+    num_prefix_outputs = max(s.num_output_tokens for s in seqs)
+    if num_prefix_outputs >= req.max_output_tokens:
+        return (f"max_tokens={req.max_output_tokens} leaves nothing to generate after "
+                f"{num_prefix_outputs} prefix token(s) that count as output (a forced BOS "
+                f"counts); raise max_tokens")
+    if len(seqs) > limits.max_batch_size:
+        return (f"{len(seqs)} decoder sequences (n, best_of or beams) exceed "
+                f"max_batch_size={limits.max_batch_size}")
+    if req.encoder_len > limits.encoder_max_num_tokens:
+        return (f"encoder input of {req.encoder_len} positions exceeds encoder_max_num_tokens="
+                f"{limits.encoder_max_num_tokens} (the whole encoder input is encoded in one step)")
+    if req.encoder_len > limits.max_num_tokens:
+        return (f"encoder input of {req.encoder_len} positions exceeds max_num_tokens="
+                f"{limits.max_num_tokens}")
+    num_kv_tokens = [max_kv_tokens(req, s) for s in seqs]
+    worst_step_tokens = req.encoder_len + sum(num_kv_tokens)
+    if worst_step_tokens > limits.max_num_tokens:
+        return (f"the request may need {worst_step_tokens} tokens in one step ({req.encoder_len} "
+                f"encoder positions + {len(seqs)} sequence(s) of up to {max(num_kv_tokens)} "
+                f"decoder positions, recomputed together after a preemption), above "
+                f"max_num_tokens={limits.max_num_tokens}; raise max_num_tokens or lower max_tokens")
+    num_cross_needed = blocks_needed(req.encoder_len, tpb)
+    if num_cross_needed > num_cross_blocks:
+        return (f"encoder input of {req.encoder_len} positions needs {num_cross_needed} "
+                f"cross-attention KV blocks but the cross pool has {num_cross_blocks}; raise "
+                f"cross_kv_cache_fraction or free_gpu_memory_fraction")
+    num_self_needed = sum(blocks_needed(n, tpb) for n in num_kv_tokens)
+    if num_self_needed > num_self_blocks:
+        return (f"{len(seqs)} sequence(s) of up to {max(num_kv_tokens)} decoder positions need "
+                f"{num_self_needed} self-attention KV blocks but the self pool has "
+                f"{num_self_blocks}; lower max_tokens or n, lower cross_kv_cache_fraction, or "
+                f"raise free_gpu_memory_fraction")
+    return None

@@ -1,0 +1,80 @@
+"""Paged KV block accounting: a free list plus reference counts.
+
+Pure Python (no torch): the scheduler owns two pools, one for self-attention blocks
+(grown a token at a time) and one for cross-attention blocks (written once per request
+at admission). Block ids index the first dimension of the model runner's cache tensors.
+
+Reference counts exist so that beams or parallel samples can share blocks later
+(``fork``); a block returns to the free list only when its last holder frees it.
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+
+class BlockAllocationError(RuntimeError):
+    """``allocate`` was called without a successful ``can_allocate``: a scheduler bug."""
+
+
+def blocks_needed(num_tokens: int, tokens_per_block: int) -> int:
+    """Blocks that hold ``num_tokens`` positions (ceil division; 0 tokens need 0 blocks)."""
+    assert num_tokens >= 0 and tokens_per_block > 0, (num_tokens, tokens_per_block)
+    return -(-num_tokens // tokens_per_block)
+
+
+class BlockPool:
+    """``num_blocks`` blocks, each free or held by one or more owners."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        # FIFO reuse: a freed block goes to the back, so ids recently used by a
+        # finished request are not handed out again at once (easier to debug stale reads).
+        self._free: deque[int] = deque(range(num_blocks))
+        self._ref_counts: list[int] = [0] * num_blocks
+
+    @property
+    def num_total_blocks(self) -> int:
+        return len(self._ref_counts)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_total_blocks - self.num_free_blocks
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return 0 <= num_blocks <= len(self._free)
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        """Take ``num_blocks`` free blocks, each with reference count 1."""
+        if not self.can_allocate(num_blocks):
+            raise BlockAllocationError(
+                f"cannot allocate {num_blocks} blocks: {self.num_free_blocks} of "
+                f"{self.num_total_blocks} free (call can_allocate first)")
+        block_ids = [self._free.popleft() for _ in range(num_blocks)]
+        for block_id in block_ids:
+            self._ref_counts[block_id] = 1
+        return block_ids
+
+    def fork(self, block_ids: Iterable[int]) -> list[int]:
+        """Share held blocks with one more owner; each owner frees its own reference."""
+        block_ids = list(block_ids)
+        for block_id in block_ids:
+            assert self._ref_counts[block_id] > 0, f"fork of free block {block_id}"
+            self._ref_counts[block_id] += 1
+        return block_ids
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference to each block; blocks nobody holds go back to the free list."""
+        for block_id in block_ids:
+            assert self._ref_counts[block_id] > 0, f"double free of block {block_id}"
+            self._ref_counts[block_id] -= 1
+            if self._ref_counts[block_id] == 0:
+                self._free.append(block_id)

@@ -1,0 +1,256 @@
+"""Engine configuration: frozen dataclasses validated when built.
+
+The field names are TensorRT-LLM's LLM API names, so the same keys work as ``LLM(...)``
+keyword arguments and in the YAML file that ``serve``, ``bench`` and ``eval`` accept.
+Unknown keys and invalid values raise ``ValueError`` naming the key and what is valid.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from typing import Any
+
+_ATTN_ALIASES = {"torch": "torch", "vanilla": "torch", "triton": "triton", "trtllm": "triton"}
+VALID_ATTN_BACKENDS = ("torch", "triton", "TRTLLM", "VANILLA")
+
+
+def canonical_backend_name(name: str) -> str:
+    """``TRTLLM`` -> triton and ``VANILLA`` -> torch, as TensorRT-LLM configs name them."""
+    key = str(name).lower()
+    if key not in _ATTN_ALIASES:
+        raise ValueError(f"attn_backend={name!r} is not supported; valid: auto, {', '.join(VALID_ATTN_BACKENDS)}")
+    return _ATTN_ALIASES[key]
+
+VALID_DTYPES = ("auto", "float32", "float16", "bfloat16")
+_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
+
+
+def _unknown_key_error(owner: str, key: str, valid) -> ValueError:
+    hint = difflib.get_close_matches(key, list(valid), n=1)
+    extra = f" Did you mean {hint[0]!r}?" if hint else ""
+    return ValueError(f"unknown {owner} key {key!r}.{extra} Valid keys: {', '.join(sorted(valid))}")
+
+
+def _from_dict(cls, data: dict, owner: str):
+    if isinstance(data, cls):
+        return data
+    if not isinstance(data, dict):
+        raise ValueError(f"{owner} must be a mapping of keys to values, got {type(data).__name__}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            raise _unknown_key_error(owner, key, names)
+    return cls(**data)
+
+
+def _check_fraction(owner: str, name: str, value, allow_none=False, lo_open=True):
+    if value is None and allow_none:
+        return
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not (0 < value < 1 if lo_open else 0 <= value <= 1):
+        bound = "(0, 1)" if lo_open else "[0, 1]"
+        raise ValueError(f"{owner}.{name} must be a number in {bound}, got {value!r}")
+
+
+def _check_positive_int(owner: str, name: str, value, allow_none=False, allow_zero=False):
+    if value is None and allow_none:
+        return
+    lo = 0 if allow_zero else 1
+    if not isinstance(value, int) or isinstance(value, bool) or value < lo:
+        raise ValueError(f"{owner}.{name} must be an integer >= {lo}, got {value!r}")
+
+
+def _check_int_list(owner: str, name: str, value):
+    if value is None:
+        return
+    if not isinstance(value, (list, tuple)) or not value or any(
+            not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in value):
+        raise ValueError(f"{owner}.{name} must be a non-empty list of positive integers, got {value!r}")
+
+
+@dataclass(frozen=True)
+class KvCacheConfig:
+    """Both KV pools. ``cross_kv_cache_fraction`` is required for encoder-decoder models."""
+
+    free_gpu_memory_fraction: float = 0.9
+    cross_kv_cache_fraction: float | None = None
+    tokens_per_block: int = 32
+    max_tokens: int | None = None            # cap on self + cross positions, whatever memory allows
+    enable_block_reuse: bool = False
+    use_kv_cache_manager_v2: bool = False
+    max_cpu_memory_bytes: int = 512 << 20    # the KV budget when running on the CPU
+
+    def __post_init__(self):
+        o = "kv_cache_config"
+        _check_fraction(o, "free_gpu_memory_fraction", self.free_gpu_memory_fraction)
+        _check_fraction(o, "cross_kv_cache_fraction", self.cross_kv_cache_fraction, allow_none=True)
+        _check_positive_int(o, "tokens_per_block", self.tokens_per_block)
+        if self.tokens_per_block & (self.tokens_per_block - 1):
+            raise ValueError(f"{o}.tokens_per_block must be a power of two, got {self.tokens_per_block}")
+        _check_positive_int(o, "max_tokens", self.max_tokens, allow_none=True)
+        _check_positive_int(o, "max_cpu_memory_bytes", self.max_cpu_memory_bytes)
+        if self.enable_block_reuse:
+            raise ValueError(f"{o}.enable_block_reuse=True is not supported for encoder-decoder models; "
+                             "set it to false")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    use_python_scheduler: bool = True
+    capacity_scheduler_policy: str = "GUARANTEED_NO_EVICT"
+
+    def __post_init__(self):
+        valid = ("GUARANTEED_NO_EVICT", "MAX_UTILIZATION")
+        if self.capacity_scheduler_policy not in valid:
+            raise ValueError(f"scheduler_config.capacity_scheduler_policy={self.capacity_scheduler_policy!r} "
+                             f"is not valid; valid: {', '.join(valid)}")
+
+
+@dataclass(frozen=True)
+class CudaGraphConfig:
+    """Decoder (and mixed) step graphs for a grid of padded batch sizes."""
+
+    batch_sizes: tuple[int, ...] | None = None
+    max_batch_size: int = 0
+    enable_padding: bool = False
+
+    def __post_init__(self):
+        _check_int_list("cuda_graph_config", "batch_sizes", self.batch_sizes)
+        _check_positive_int("cuda_graph_config", "max_batch_size", self.max_batch_size, allow_zero=True)
+        if self.batch_sizes is not None:
+            object.__setattr__(self, "batch_sizes", tuple(sorted(set(self.batch_sizes))))
+
+    def capture_sizes(self, engine_max_batch_size: int) -> list[int]:
+        if self.batch_sizes:
+            return [b for b in self.batch_sizes if b <= engine_max_batch_size]
+        top = min(self.max_batch_size or engine_max_batch_size, engine_max_batch_size)
+        if not self.enable_padding:
+            return list(range(1, top + 1)) if top <= 8 else [1, 2, 4] + list(range(8, top + 1, 8))
+        sizes, b = [], 1
+        while b < top:
+            sizes.append(b)
+            b = b * 2 if b < 8 else b + 8
+        return sizes + [top]
+
+
+@dataclass(frozen=True)
+class EncodeCudaGraphConfig:
+    """Encoder graphs per (batch, packed tokens, max sequence length) bucket."""
+
+    batch_sizes: tuple[int, ...] | None = None
+    num_tokens: tuple[int, ...] | None = None
+    seq_lens: tuple[int, ...] | None = None
+    enable_padding: bool = False
+
+    def __post_init__(self):
+        for name in ("batch_sizes", "num_tokens", "seq_lens"):
+            value = getattr(self, name)
+            _check_int_list("encoder_cuda_graph_config", name, value)
+            if value is not None:
+                object.__setattr__(self, name, tuple(sorted(set(value))))
+
+
+_NESTED = {
+    "kv_cache_config": KvCacheConfig,
+    "scheduler_config": SchedulerConfig,
+    "cuda_graph_config": CudaGraphConfig,
+    "encoder_cuda_graph_config": EncodeCudaGraphConfig,
+}
+
+
+@dataclass(frozen=True)
+class LlmArgs:
+    """Every option of ``LLM(...)`` (and of the YAML config), validated."""
+
+    model: str = ""
+    tokenizer: Any = None
+    backend: str = "pytorch"
+    attn_backend: str = "auto"            # auto: triton on CUDA, torch on CPU
+    dtype: str = "auto"
+    device: str = "auto"
+    max_batch_size: int = 128
+    max_input_len: int | None = None      # default 1024 for text, 1500 for Whisper
+    max_num_tokens: int = 8192
+    max_seq_len: int | None = None
+    max_beam_width: int = 1
+    encoder_max_batch_size: int | None = None
+    encoder_max_num_tokens: int | None = None
+    kv_cache_config: KvCacheConfig = field(default_factory=KvCacheConfig)
+    cuda_graph_config: CudaGraphConfig | None = None
+    encoder_cuda_graph_config: EncodeCudaGraphConfig | None = None
+    enable_encoder_decoder_mixed_cuda_graph: bool = True
+    disable_overlap_scheduler: bool = False
+    enable_chunked_prefill: bool = False
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    context_parallel_size: int = 1
+    enable_attention_dp: bool = False
+    load_format: str = "auto"
+    trust_remote_code: bool = False
+    seed: int = 0
+
+    def __post_init__(self):
+        for name, cls in _NESTED.items():
+            value = getattr(self, name)
+            if isinstance(value, dict):
+                object.__setattr__(self, name, _from_dict(cls, value, name))
+            elif value is not None and not isinstance(value, cls):
+                raise ValueError(f"{name} must be a {cls.__name__} or a mapping, got {type(value).__name__}")
+        if self.backend not in ("pytorch", "_autodeploy"):
+            raise ValueError(f"backend={self.backend!r} is not supported; valid: pytorch")
+        if self.attn_backend != "auto":
+            canonical_backend_name(self.attn_backend)   # raises naming the valid choices
+        dtype = _DTYPE_ALIASES.get(str(self.dtype), str(self.dtype))
+        if dtype not in VALID_DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not valid; valid: {', '.join(VALID_DTYPES)}")
+        object.__setattr__(self, "dtype", dtype)
+        if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
+            raise ValueError(f"device={self.device!r} is not valid; valid: auto, cpu, cuda, cuda:N")
+        for name in ("max_batch_size", "max_num_tokens", "max_beam_width", "tensor_parallel_size"):
+            _check_positive_int("LLM", name, getattr(self, name))
+        for name in ("max_input_len", "max_seq_len", "encoder_max_batch_size", "encoder_max_num_tokens"):
+            _check_positive_int("LLM", name, getattr(self, name), allow_none=True)
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format={self.load_format!r} is not valid; valid: auto, dummy")
+        if self.pipeline_parallel_size != 1:
+            raise ValueError("pipeline_parallel_size must be 1: pipeline parallelism is not supported for "
+                             "encoder-decoder models (use tensor_parallel_size)")
+        if self.context_parallel_size != 1:
+            raise ValueError("context_parallel_size must be 1: context parallelism is not supported for "
+                             "encoder-decoder models")
+        if self.enable_attention_dp:
+            raise ValueError("enable_attention_dp must be False: attention data parallelism is not supported "
+                             "for encoder-decoder models")
+        if self.enable_chunked_prefill:
+            raise ValueError("enable_chunked_prefill must be False: the encoder phase cannot be chunked; "
+                             "raise max_num_tokens / encoder_max_num_tokens instead")
+        if self.kv_cache_config.use_kv_cache_manager_v2 and self.max_beam_width > 1:
+            raise ValueError("kv_cache_config.use_kv_cache_manager_v2=True requires max_beam_width=1")
+        if self.encoder_max_batch_size is not None and self.encoder_max_batch_size > self.max_batch_size:
+            raise ValueError(f"encoder_max_batch_size ({self.encoder_max_batch_size}) must not exceed "
+                             f"max_batch_size ({self.max_batch_size})")
+
+    @staticmethod
+    def from_dict(data: dict, **overrides) -> "LlmArgs":
+        merged = {**(data or {}), **{k: v for k, v in overrides.items() if v is not None}}
+        names = {f.name for f in dataclasses.fields(LlmArgs)}
+        for key in merged:
+            if key not in names:
+                raise _unknown_key_error("config", key, names)
+        return LlmArgs(**merged)
+
+    @staticmethod
+    def from_yaml(path: str, **overrides) -> "LlmArgs":
+        import yaml
+
+        try:
+            with open(path) as f:
+                data = yaml.safe_load(f) or {}
+        except FileNotFoundError:
+            raise ValueError(f"config file not found: {path}") from None
+        except yaml.YAMLError as e:
+            raise ValueError(f"config file {path} is not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"config file {path} must hold a mapping of option names to values")
+        return LlmArgs.from_dict(data, **overrides)

@@ -1,0 +1,73 @@
+"""Incremental detokenization and stop-string matching for one sequence."""
+from __future__ import annotations
+
+
+class IncrementalDetokenizer:
+    """Keeps the decoded text of a growing token list and finds stop strings.
+
+    Text is re-decoded from a window that starts a few tokens before the last emitted
+    boundary, so multi-token characters (byte-level BPE, ByT5) come out whole: a trailing
+    U+FFFD means the character is not complete yet and is held back.
+    """
+
+    _WINDOW = 6
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, stop: list[str] | None = None,
+                 include_stop_str_in_output: bool = False):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = stop or []
+        self.include_stop = include_stop_str_in_output
+        self.text = ""
+        self._prefix_offset = 0     # token index where the decode window starts
+        self._read_offset = 0       # tokens already reflected in self.text
+        self.stop_matched: str | None = None
+        self._emitted = 0           # characters of self.text already returned
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def update(self, token_ids: list[int]) -> str:
+        """Feed the whole output token list; returns the new text (possibly empty)."""
+        if self.tokenizer is None or self.stop_matched is not None:
+            return ""
+        prefix_text = self._decode(token_ids[self._prefix_offset:self._read_offset])
+        full = self._decode(token_ids[self._prefix_offset:])
+        if full.endswith("\ufffd") or len(full) < len(prefix_text) or not full.startswith(prefix_text):
+            return ""
+        delta = full[len(prefix_text):]
+        self._prefix_offset = max(0, len(token_ids) - self._WINDOW)
+        self._read_offset = len(token_ids)
+        return self._append(delta)
+
+    def _append(self, delta: str) -> str:
+        start = len(self.text)
+        self.text += delta
+        if self.stop and delta:
+            # A stop string may straddle the old/new boundary.
+            search_from = max(0, start - max(len(s) for s in self.stop) + 1)
+            hits = [(i, s) for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
+            if hits:
+                i, s = min(hits)
+                self.stop_matched = s
+                self.text = self.text[:i + len(s)] if self.include_stop else self.text[:i]
+        return self._emit(final=self.stop_matched is not None)
+
+    def _emit(self, final: bool) -> str:
+        # While a stop string could still be completing, hold back its possible prefix.
+        hold = 0 if final or not self.stop else max(len(s) for s in self.stop) - 1
+        end = max(self._emitted, len(self.text) - hold)
+        piece = self.text[self._emitted:end]
+        self._emitted = end
+        return piece
+
+    def finish(self, token_ids: list[int]) -> str:
+        """Decode whatever is held back (the final text is exact, not incremental)."""
+        if self.tokenizer is None:
+            return ""
+        if self.stop_matched is None:
+            full = self._decode(token_ids)
+            if full.startswith(self.text):
+                return self._append(full[len(self.text):]) + self._emit(final=True)
+            self.text = full
+        return self._emit(final=True)

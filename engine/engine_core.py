@@ -1,0 +1,224 @@
+"""The engine: input processing, the step loop and output processing, in one thread.
+
+    step():  schedule -> execute -> update -> outputs
+
+``make_request`` validates and may raise ``ValueError``; it runs in the caller's thread and
+touches no engine state, so a bad request never disturbs the requests in flight.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .batch import SchedulerOutput
+from .config import LlmArgs
+from .detokenizer import IncrementalDetokenizer
+from .input_processor import InputProcessor, ProcessedInput
+from .model_runner import ModelRunner
+from .model_source import resolve_model
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .request import Request, RequestStatus, Sequence
+from .sampler import SeqSamplingState
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler, SchedulerLimits
+
+logger = logging.getLogger("enc2dec")
+
+WHISPER_ENCODER_LEN = 1500
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={name!r} was asked for but no CUDA GPU is visible; use device='cpu'")
+    return torch.device(name)
+
+
+def _resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cpu":
+        return torch.float32
+    ckpt = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+    # float32 checkpoints run in bfloat16 (T5 overflows float16); float16 ones stay float16.
+    return torch.float16 if str(ckpt) in ("float16", "torch.float16") else torch.bfloat16
+
+
+def _resolve_attn_backend(name: str, device: torch.device) -> str:
+    if name != "auto":
+        return name
+    if device.type != "cuda":
+        return "torch"
+    from enc2dec.kernels import triton_available
+
+    return "triton" if triton_available() else "torch"
+
+
+@dataclass
+class _Tracked:
+    request: Request
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    streaming: bool
+    detoks: list[IncrementalDetokenizer]
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    error: str | None = None
+
+
+class EngineCore:
+    def __init__(self, args: LlmArgs):
+        self.args = args
+        src = resolve_model(args.model, args.tokenizer, args.load_format)
+        self.hf_config = src.hf_config
+        self.tokenizer = src.tokenizer
+        self.is_whisper = src.hf_config.model_type == "whisper"
+        self.device = _resolve_device(args.device)
+        self.dtype = _resolve_dtype(args.dtype, src.hf_config, self.device)
+        max_input_len = args.max_input_len or (WHISPER_ENCODER_LEN if self.is_whisper else 1024)
+        if self.is_whisper and max_input_len < WHISPER_ENCODER_LEN:
+            raise ValueError(f"max_input_len={max_input_len} is too small for Whisper: every request produces "
+                             f"{WHISPER_ENCODER_LEN} encoder positions; set max_input_len >= {WHISPER_ENCODER_LEN}")
+        if args.kv_cache_config.cross_kv_cache_fraction is None:
+            raise ValueError("kv_cache_config.cross_kv_cache_fraction is required for encoder-decoder models: "
+                             "it splits the KV budget between the cross- and self-attention pools; "
+                             "0.5 is a reasonable start, e.g. KvCacheConfig(cross_kv_cache_fraction=0.5)")
+        self.limits = SchedulerLimits(
+            max_batch_size=args.max_batch_size,
+            max_num_tokens=args.max_num_tokens,
+            encoder_max_batch_size=args.encoder_max_batch_size or args.max_batch_size,
+            encoder_max_num_tokens=args.encoder_max_num_tokens or args.max_num_tokens,
+            tokens_per_block=args.kv_cache_config.tokens_per_block)
+        if max_input_len > min(self.limits.encoder_max_num_tokens, self.limits.max_num_tokens):
+            raise ValueError(f"max_input_len={max_input_len} exceeds the per-step encoder token budget "
+                             f"(encoder_max_num_tokens={self.limits.encoder_max_num_tokens}, max_num_tokens="
+                             f"{self.limits.max_num_tokens}): the whole encoder input must fit in one step")
+        self.processor = InputProcessor(src.hf_config, src.generation_config, src.tokenizer, max_input_len,
+                                        args.max_seq_len, src.feature_extractor)
+        attn = _resolve_attn_backend(args.attn_backend, self.device)
+        torch.manual_seed(args.seed)
+        t0 = time.perf_counter()
+        self.runner = ModelRunner(args, src.hf_config, src.path, self.device, self.dtype, attn)
+        plan = self.runner.kv_plan
+        logger.info("loaded %s (%s, %s, attention=%s) in %.1f s; KV: %s", args.model, self.device,
+                    str(self.dtype).replace("torch.", ""), attn, time.perf_counter() - t0,
+                    plan.describe(max_input_len, args.max_seq_len or 256))
+        self.scheduler = Scheduler(self.limits, plan.num_self_blocks, plan.num_cross_blocks)
+        self._live: dict[str, _Tracked] = {}
+        self._ids = itertools.count()
+
+    # ---- requests -------------------------------------------------------------------------
+    def make_request(self, prompt, params: SamplingParams | None, streaming: bool = False,
+                     request_id: str | None = None) -> _Tracked:
+        params = params or SamplingParams()
+        if params.use_beam_search and self.args.max_beam_width == 1:
+            raise ValueError("use_beam_search=True needs LLM(max_beam_width=K) with K > 1 "
+                             "(the beam width is a capacity reserved at start-up)")
+        if params.use_beam_search:
+            raise ValueError("beam search is not available yet in this engine; use greedy or sampling")
+        proc: ProcessedInput = self.processor.process(prompt, params.max_tokens)
+        eos = (params.end_id,) if params.end_id is not None else self.processor.eos_token_ids
+        spec = SeqSamplingState(params, tuple(eos), tuple(params.stop_token_ids or ()),
+                                self.processor.suppress_token_ids, self.processor.begin_suppress_token_ids)
+        seqs = [Sequence(token_ids=list(proc.decoder_prefix), num_hidden_tokens=proc.num_hidden_tokens, index=i)
+                for i in range(params.n)]
+        req = Request(request_id=request_id or f"req-{next(self._ids)}", encoder_len=proc.encoder_len,
+                      encoder_input=proc.encoder_input, seqs=seqs, max_output_tokens=proc.max_output_tokens,
+                      sampling_params=spec, eos_token_ids=frozenset(eos),
+                      stop_token_ids=frozenset(params.stop_token_ids or ()), ignore_eos=params.ignore_eos,
+                      min_tokens=params.min_tokens)
+        reason = self.scheduler.check_admissible(req)
+        if reason:
+            raise ValueError(f"request cannot be scheduled with this engine's limits: {reason}")
+        tok = self.tokenizer if params.detokenize else None
+        detoks = [IncrementalDetokenizer(tok, params.skip_special_tokens, params.stop,
+                                         params.include_stop_str_in_output) for _ in seqs]
+        return _Tracked(req, proc.prompt, proc.prompt_token_ids, params, streaming, detoks,
+                        RequestMetrics(arrival_time=req.arrival_time))
+
+    def add(self, tracked: _Tracked) -> None:
+        self._live[tracked.request.request_id] = tracked
+        self.scheduler.add_request(tracked.request)
+
+    def abort(self, request_id: str, error: str | None = None) -> RequestOutput | None:
+        tracked = self._live.pop(request_id, None)
+        if tracked is None:
+            return None
+        self.scheduler.abort_request(request_id)
+        tracked.error = error
+        return self._output(tracked, finished=True)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the loop -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        so = self.scheduler.schedule()
+        if so.is_empty:
+            return []
+        try:
+            ro = self.runner.execute(so)
+        except Exception as e:  # noqa: BLE001 - fail this step's requests, keep serving the rest
+            logger.exception("engine step failed")
+            return self._fail_step(so, f"engine error: {type(e).__name__}: {e}")
+        finished = {r.request_id for r in self.scheduler.update(so, ro)}
+        now = time.monotonic()
+        touched = dict.fromkeys(s.request_id for s in so.seqs)
+        for rid in touched:
+            tracked = self._live.get(rid)
+            if tracked is None:
+                continue
+            m = tracked.metrics
+            m.first_scheduled_time = m.first_scheduled_time or now
+            m.first_token_time = m.first_token_time or now
+            m.token_times.append(now)
+            if tracked.streaming or tracked.params.stop:
+                for seq, detok in zip(tracked.request.seqs, tracked.detoks):
+                    detok.update(seq.output_token_ids)
+                    if detok.stop_matched is not None and not seq.is_finished:
+                        if self.scheduler.finish_seq(seq, RequestStatus.FINISHED_STOPPED, detok.stop_matched):
+                            finished.add(rid)
+        outputs = []
+        for rid in touched:
+            tracked = self._live.get(rid)
+            if tracked is None:
+                continue
+            if rid in finished:
+                del self._live[rid]
+                tracked.metrics.finished_time = now
+                tracked.metrics.num_preemptions = tracked.request.num_preemptions
+                outputs.append(self._output(tracked, finished=True))
+            elif tracked.streaming:
+                outputs.append(self._output(tracked, finished=False))
+        return outputs
+
+    def _fail_step(self, so: SchedulerOutput, message: str) -> list[RequestOutput]:
+        rids = dict.fromkeys([e.request_id for e in so.encodes] + [s.request_id for s in so.seqs])
+        return [out for rid in rids if (out := self.abort(rid, message)) is not None]
+
+    def _output(self, tracked: _Tracked, finished: bool) -> RequestOutput:
+        outs = []
+        for seq, detok in zip(tracked.request.seqs, tracked.detoks):
+            if finished:
+                detok.finish(seq.output_token_ids)
+            status = seq.status if seq.status.is_finished else (
+                RequestStatus.FINISHED_ABORTED if finished else seq.status)
+            outs.append(CompletionOutput(
+                index=seq.index, text=detok.text, token_ids=list(seq.output_token_ids),
+                finish_reason=status.finish_reason, stop_reason=seq.stop_reason,
+                cumulative_logprob=seq.cumulative_logprob if tracked.params.logprobs is not None else None,
+                logprobs=list(seq.logprobs) if seq.logprobs is not None else None))
+        return RequestOutput(tracked.request.request_id, tracked.prompt, tracked.prompt_token_ids, outs,
+                             finished, tracked.metrics, tracked.error)
+
+    def shutdown(self) -> None:
+        for rid in list(self._live):
+            self.abort(rid, "engine shut down")
+        self.runner = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

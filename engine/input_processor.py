@@ -1,0 +1,220 @@
+"""Turns a user prompt into an encoder input and a decoder prefix, and rejects bad input.
+
+Text models: the prompt (string or encoder token ids) is the encoder input; the decoder
+starts from ``decoder_start_token_id`` (else ``bos_token_id``), plus ``forced_bos_token_id``
+when the checkpoint defines one. Whisper: the audio is the encoder input and the text
+prompt, when given, replaces the decoder prefix verbatim.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger("enc2dec")
+
+WHISPER_SAMPLE_SECONDS = 30
+
+
+@dataclass
+class ProcessedInput:
+    prompt: str | None
+    prompt_token_ids: list[int]     # encoder token ids (empty for Whisper)
+    encoder_input: Any              # list[int] or a [n_mels, frames] float32 array
+    encoder_len: int
+    decoder_prefix: list[int]
+    num_hidden_tokens: int          # prefix tokens not returned to the user
+    max_output_tokens: int
+    audio_seconds: float = 0.0
+
+
+def _first_int(*values):
+    for v in values:
+        if isinstance(v, (list, tuple)):
+            v = v[0] if v else None
+        if v is not None:
+            return int(v)
+    return None
+
+
+def _all_ints(*values) -> list[int]:
+    for v in values:
+        if v is None:
+            continue
+        return [int(x) for x in (v if isinstance(v, (list, tuple)) else [v])]
+    return []
+
+
+class InputProcessor:
+    def __init__(self, hf_config, generation_config, tokenizer, max_input_len: int,
+                 max_seq_len: int | None, feature_extractor=None):
+        self.config = hf_config
+        self.gen = generation_config
+        self.tokenizer = tokenizer
+        self.max_input_len = max_input_len
+        self.max_seq_len = max_seq_len
+        self.feature_extractor = feature_extractor
+        self.is_whisper = hf_config.model_type == "whisper"
+        self.vocab_size = hf_config.vocab_size
+        g = generation_config
+        self.decoder_start_token_id = _first_int(getattr(g, "decoder_start_token_id", None),
+                                                 getattr(hf_config, "decoder_start_token_id", None),
+                                                 getattr(g, "bos_token_id", None),
+                                                 getattr(hf_config, "bos_token_id", None))
+        if self.decoder_start_token_id is None:
+            raise ValueError("the checkpoint defines neither decoder_start_token_id nor bos_token_id in "
+                             "config.json or generation_config.json; the decoder cannot be started. Add one "
+                             "of them to the checkpoint's config")
+        self.forced_bos_token_id = None if self.is_whisper else _first_int(
+            getattr(g, "forced_bos_token_id", None), getattr(hf_config, "forced_bos_token_id", None))
+        self.eos_token_ids = tuple(_all_ints(getattr(g, "eos_token_id", None),
+                                             getattr(hf_config, "eos_token_id", None),
+                                             getattr(tokenizer, "eos_token_id", None)))
+        pos = getattr(hf_config, "max_target_positions", None) if self.is_whisper else (
+            getattr(hf_config, "max_position_embeddings", None) if hf_config.model_type in ("bart", "mbart")
+            else None)
+        self.max_decoder_positions = pos
+        self.suppress_token_ids = tuple(getattr(g, "suppress_tokens", None) or ()) if self.is_whisper else ()
+        self.begin_suppress_token_ids = tuple(getattr(g, "begin_suppress_tokens", None) or ()) \
+            if self.is_whisper else ()
+
+    # ---- decoder prefix -------------------------------------------------------------------
+    def _text_prefix(self) -> tuple[list[int], int]:
+        if self.forced_bos_token_id is not None:
+            return [self.decoder_start_token_id, self.forced_bos_token_id], 1
+        return [self.decoder_start_token_id], 1
+
+    def _whisper_prefix(self, prompt: str | None) -> list[int]:
+        tok = self._require_tokenizer("a Whisper decoder prompt")
+        sot = tok.convert_tokens_to_ids("<|startoftranscript|>")
+        if prompt:
+            ids = tok.encode(prompt, add_special_tokens=False)
+            if not ids or ids[0] != sot:
+                raise ValueError("a non-empty Whisper prompt must begin with <|startoftranscript|> "
+                                 f"(it replaces the decoder prefix verbatim); got {prompt[:60]!r}")
+            return ids
+        forced = getattr(self.gen, "forced_decoder_ids", None)
+        multilingual = getattr(self.gen, "is_multilingual", None)
+        if multilingual is None:
+            multilingual = self.vocab_size >= 51865
+        if multilingual:
+            names = ["<|startoftranscript|>", "<|en|>", "<|transcribe|>", "<|notimestamps|>"]
+            return [tok.convert_tokens_to_ids(n) for n in names]
+        if forced:
+            return [self.decoder_start_token_id] + [int(t) for _, t in sorted(forced)]
+        return [sot, tok.convert_tokens_to_ids("<|notimestamps|>")]
+
+    def _require_tokenizer(self, what: str):
+        if self.tokenizer is None:
+            raise ValueError(f"{what} needs a tokenizer, and this model has none (dummy weights or a folder "
+                             "without tokenizer files); pass token ids or LLM(tokenizer=...)")
+        return self.tokenizer
+
+    # ---- public ---------------------------------------------------------------------------
+    def process(self, prompt, max_tokens: int) -> ProcessedInput:
+        if self.is_whisper:
+            return self._process_audio(prompt, max_tokens)
+        text, ids = None, None
+        if isinstance(prompt, str):
+            text = prompt
+            ids = list(self._require_tokenizer("a text prompt").encode(prompt, add_special_tokens=True))
+        elif isinstance(prompt, dict):
+            if "multi_modal_data" in prompt:
+                raise ValueError(f"{self.config.model_type} takes text, not multi_modal_data")
+            if "prompt_token_ids" in prompt:
+                ids = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                return self.process(prompt["prompt"], max_tokens)
+            else:
+                raise ValueError("a prompt mapping needs 'prompt' or 'prompt_token_ids'")
+        elif isinstance(prompt, (list, tuple)) or (hasattr(prompt, "tolist") and not isinstance(prompt, str)):
+            ids = [int(t) for t in (prompt.tolist() if hasattr(prompt, "tolist") else prompt)]
+        else:
+            raise ValueError(f"unsupported prompt type {type(prompt).__name__}; pass a string, a list of "
+                             "token ids or a mapping with 'prompt' / 'prompt_token_ids'")
+        if not ids:
+            raise ValueError("the prompt is empty: the encoder needs at least one token")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        if len(ids) > self.max_input_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens, more than max_input_len={self.max_input_len}; "
+                             "shorten it or raise max_input_len")
+        prefix, hidden = self._text_prefix()
+        if self.forced_bos_token_id is not None and max_tokens < 2:
+            raise ValueError(f"max_tokens={max_tokens} is too small: this checkpoint forces a BOS token "
+                             f"({self.forced_bos_token_id}) that counts against max_tokens, so it must be >= 2")
+        max_out = self._cap_output(max_tokens, hidden)
+        return ProcessedInput(text, ids, ids, len(ids), prefix, hidden, max_out)
+
+    def _cap_output(self, max_tokens: int, hidden: int) -> int:
+        # Output tokens are token_ids[hidden:], so the whole sequence is hidden + output long.
+        limit = None
+        if self.max_decoder_positions is not None:
+            limit = self.max_decoder_positions - hidden
+        if self.max_seq_len is not None:
+            seq_limit = self.max_seq_len - hidden
+            limit = seq_limit if limit is None else min(limit, seq_limit)
+        if limit is not None and max_tokens > limit:
+            logger.warning("max_tokens=%d exceeds the decoder position table; capped to %d", max_tokens, limit)
+            return limit
+        return max_tokens
+
+    def _process_audio(self, prompt, max_tokens: int) -> ProcessedInput:
+        if not isinstance(prompt, dict) or "multi_modal_data" not in prompt:
+            raise ValueError("Whisper takes audio: pass {'prompt': '', 'multi_modal_data': {'audio': [clip]}} "
+                             "with clip a file path, an (array, sample_rate) tuple or "
+                             "{'array': ..., 'sampling_rate': ...}")
+        clips = (prompt.get("multi_modal_data") or {}).get("audio")
+        if isinstance(clips, list):
+            if len(clips) != 1:
+                raise ValueError(f"supply exactly one audio clip per request, got {len(clips)}")
+            clip = clips[0]
+        else:
+            clip = clips
+        wave, rate = self._read_clip(clip)
+        fe = self.feature_extractor
+        expected = fe.sampling_rate
+        if rate != expected:
+            raise ValueError(f"audio sampling rate {rate} Hz does not match the checkpoint's {expected} Hz; "
+                             "resample it first (enc2dec transcribe does this for you)")
+        seconds = len(wave) / rate
+        if seconds > WHISPER_SAMPLE_SECONDS + 1e-6:
+            raise ValueError(f"audio is {seconds:.1f} s long; the engine API takes at most "
+                             f"{WHISPER_SAMPLE_SECONDS} s per request (use enc2dec transcribe for long audio)")
+        if len(wave) == 0:
+            raise ValueError("the audio clip is empty")
+        feats = fe(wave, sampling_rate=rate, return_tensors="np").input_features[0]   # [n_mels, 3000]
+        prefix = self._whisper_prefix(prompt.get("prompt"))
+        max_out = self._cap_output(max_tokens, len(prefix))
+        enc_len = feats.shape[-1] // 2
+        return ProcessedInput(prompt.get("prompt") or "", [], feats.astype(np.float32), enc_len, prefix,
+                              len(prefix), max_out, seconds)
+
+    @staticmethod
+    def _read_clip(clip) -> tuple[np.ndarray, int]:
+        if isinstance(clip, dict):
+            if "array" not in clip or "sampling_rate" not in clip:
+                raise ValueError("an audio mapping needs 'array' and 'sampling_rate'")
+            wave, rate = clip["array"], clip["sampling_rate"]
+        elif isinstance(clip, tuple) and len(clip) == 2:
+            wave, rate = clip
+        elif isinstance(clip, str):
+            try:
+                import soundfile
+            except ImportError:
+                raise ValueError("reading audio files needs soundfile: pip install 'enc2dec[audio]'") from None
+            try:
+                wave, rate = soundfile.read(clip, dtype="float32")
+            except Exception as e:  # noqa: BLE001 - libsndfile raises several types
+                raise ValueError(f"cannot read audio file {clip}: {e}") from None
+        else:
+            raise ValueError(f"unsupported audio item {type(clip).__name__}; pass a path, (array, rate) or "
+                             "{'array', 'sampling_rate'}")
+        wave = np.asarray(wave, dtype=np.float32)
+        if wave.ndim == 2:
+            raise ValueError("the engine takes mono audio; mix channels down first "
+                             "(enc2dec transcribe does this for you)")
+        return wave, int(rate)

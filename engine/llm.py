@@ -1,0 +1,246 @@
+"""The public LLM API (TensorRT-LLM's names): ``generate``, ``generate_async``, ``shutdown``.
+
+One background thread owns the engine and runs its step loop; callers talk to it through
+a command queue and get ``RequestHandle`` objects back (future-like, awaitable, and
+iterable when streaming).
+"""
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from typing import Any, Iterable
+
+from .config import LlmArgs
+from .engine_core import EngineCore
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+
+class RequestHandle:
+    """A request in flight. ``result()`` blocks, ``await handle`` / ``aresult()`` await, and
+    iterating (sync or async) yields each streamed ``RequestOutput`` until the last."""
+
+    def __init__(self, llm: "LLM", request_id: str, streaming: bool):
+        self._llm = llm
+        self.request_id = request_id
+        self.streaming = streaming
+        self._updates: list[RequestOutput] = []
+        self._final: RequestOutput | None = None
+        self._cond = threading.Condition()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+
+    # called from the engine thread
+    def _push(self, out: RequestOutput) -> None:
+        with self._cond:
+            self._updates.append(out)
+            if out.finished:
+                self._final = out
+            self._cond.notify_all()
+            waiters = list(self._waiters)
+        for loop, event in waiters:
+            loop.call_soon_threadsafe(event.set)
+
+    def done(self) -> bool:
+        return self._final is not None
+
+    def result(self, timeout: float | None = None) -> RequestOutput:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._final is not None, timeout):
+                raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s")
+            return self._final
+
+    async def aresult(self) -> RequestOutput:
+        async for _ in self._aiter_updates():
+            pass
+        return self._final
+
+    def __await__(self):
+        return self.aresult().__await__()
+
+    def abort(self) -> None:
+        self._llm._abort(self.request_id)
+
+    def __iter__(self):
+        seen = 0
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: len(self._updates) > seen)
+                batch = self._updates[seen:]
+            seen += len(batch)
+            yield from batch
+            if batch and batch[-1].finished:
+                return
+
+    def __aiter__(self):
+        return self._aiter_updates()
+
+    async def _aiter_updates(self):
+        loop = asyncio.get_running_loop()
+        event = asyncio.Event()
+        with self._cond:
+            self._waiters.append((loop, event))
+        seen = 0
+        try:
+            while True:
+                with self._cond:
+                    batch = self._updates[seen:]
+                    event.clear()
+                seen += len(batch)
+                for out in batch:
+                    yield out
+                if batch and batch[-1].finished:
+                    return
+                if not batch:
+                    await event.wait()
+        finally:
+            with self._cond:
+                self._waiters.remove((loop, event))
+
+
+class LLM:
+    """Encoder-decoder LLM. ``LLM(model, **options)``; options are ``LlmArgs`` fields."""
+
+    def __init__(self, model: str, tokenizer: Any = None, **kwargs):
+        self.args = kwargs.pop("_args", None) or LlmArgs.from_dict(kwargs, model=str(model), tokenizer=tokenizer)
+        self._core = EngineCore(self.args)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._handles: dict[str, RequestHandle] = {}
+        self._wake = threading.Event()
+        self._stop = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="enc2dec-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_args(cls, args: LlmArgs) -> "LLM":
+        return cls(args.model, _args=args)
+
+    @property
+    def tokenizer(self):
+        return self._core.tokenizer
+
+    @property
+    def engine(self) -> EngineCore:
+        return self._core
+
+    # ---- public API -----------------------------------------------------------------------
+    def generate(self, inputs, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True):
+        single = not _is_batch(inputs)
+        prompts = [inputs] if single else list(inputs)
+        if not prompts:
+            raise ValueError("generate() got an empty batch: pass at least one prompt")
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        tracked = []
+        for i, (p, sp) in enumerate(zip(prompts, params)):     # validate all before running any
+            try:
+                tracked.append(self._core.make_request(p, sp))
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}" if not single else str(e)) from None
+        handles = [self._submit(t) for t in tracked]
+        results = self._wait_all(handles, use_tqdm and len(handles) > 1)
+        return results[0] if single else results
+
+    def generate_async(self, inputs, sampling_params: SamplingParams | None = None,
+                       streaming: bool = False) -> RequestHandle:
+        return self._submit(self._core.make_request(inputs, sampling_params, streaming))
+
+    def shutdown(self) -> None:
+        if self._stop:
+            return
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+        self._core.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    def __del__(self):
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001 - interpreter teardown
+            pass
+
+    # ---- engine thread ----------------------------------------------------------------------
+    def _submit(self, tracked) -> RequestHandle:
+        if self._stop:
+            raise RuntimeError("the LLM has been shut down")
+        if self._error is not None:
+            raise RuntimeError(f"the engine thread died: {self._error!r}")
+        handle = RequestHandle(self, tracked.request.request_id, tracked.streaming)
+        self._handles[handle.request_id] = handle
+        self._commands.put(("add", tracked))
+        self._wake.set()
+        return handle
+
+    def _abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+        self._wake.set()
+
+    def _deliver(self, outputs: Iterable[RequestOutput]) -> None:
+        for out in outputs:
+            handle = self._handles.get(out.request_id)
+            if handle is None:
+                continue
+            if out.finished:
+                del self._handles[out.request_id]
+            handle._push(out)
+
+    def _loop(self) -> None:
+        core = self._core
+        try:
+            while not self._stop:
+                while True:
+                    try:
+                        cmd, arg = self._commands.get_nowait()
+                    except queue.Empty:
+                        break
+                    if cmd == "add":
+                        core.add(arg)
+                    else:
+                        self._deliver(filter(None, [core.abort(arg, None)]))
+                if not core.has_work():
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
+                self._deliver(core.step())
+        except BaseException as e:  # noqa: BLE001 - surface the failure to every waiter
+            self._error = e
+            for rid in list(self._handles):
+                self._deliver(filter(None, [core.abort(rid, f"engine thread died: {e!r}")]))
+            raise
+        finally:
+            for rid in list(self._handles):
+                self._deliver(filter(None, [core.abort(rid, "engine shut down")]))
+
+    def _wait_all(self, handles: list[RequestHandle], show_progress: bool) -> list[RequestOutput]:
+        if not show_progress:
+            return [h.result() for h in handles]
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(handles), desc="generate", unit="req")
+        pending = set(range(len(handles)))
+        while pending:
+            done = [i for i in pending if handles[i].done()]
+            bar.update(len(done))
+            pending.difference_update(done)
+            if pending:
+                time.sleep(0.01)
+        bar.close()
+        return [h.result() for h in handles]
+
+
+def _is_batch(inputs) -> bool:
+    if isinstance(inputs, (str, dict)):
+        return False
+    if isinstance(inputs, (list, tuple)):
+        return not inputs or not isinstance(inputs[0], int)
+    return False

@@ -1,0 +1,146 @@
+"""The GPU side of a step: builds tensors from a SchedulerOutput, runs encoder and decoder, samples.
+
+The model knows nothing of scheduling; the scheduler knows nothing of tensors. This class
+owns the KV cache, the per-request sampling state and the attention metadata.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from .attention import DecoderMetadata, EncoderMetadata, KVCache, get_attention_backend
+from .batch import ModelRunnerOutput, SampledToken, ScheduledEncode, ScheduledSeq, SchedulerOutput
+from .kv_sizing import kv_bytes_per_token, plan_kv_pools
+from .loader import load_model
+from .sampler import Sampler, SeqSamplingState
+
+logger = logging.getLogger("enc2dec")
+
+
+def _slots(block_ids: list[int], start: int, count: int, tokens_per_block: int) -> list[int]:
+    return [block_ids[p // tokens_per_block] * tokens_per_block + p % tokens_per_block
+            for p in range(start, start + count)]
+
+
+def _pad_table(tables: list[list[int]]) -> list[list[int]]:
+    width = max(1, max(len(t) for t in tables))
+    return [t + [0] * (width - len(t)) for t in tables]
+
+
+class ModelRunner:
+    def __init__(self, args, hf_config, model_path, device: torch.device, dtype: torch.dtype,
+                 attn_backend: str):
+        self.args = args
+        self.device = device
+        self.dtype = dtype
+        self.is_whisper = hf_config.model_type == "whisper"
+        self.backend = get_attention_backend(attn_backend)
+        self.model = load_model(model_path, hf_config, self.backend, dtype, device, args.load_format)
+        self.tokens_per_block = args.kv_cache_config.tokens_per_block
+        self.kv_plan = self._plan_kv()
+        self.kv = KVCache.allocate(self.model.num_decoder_layers, self.model.num_decoder_heads,
+                                   self.model.decoder_head_dim, self.tokens_per_block,
+                                   self.kv_plan.num_self_blocks, self.kv_plan.num_cross_blocks, dtype, device)
+        self.sampler = Sampler()
+        self.states: dict[str, dict[int, SeqSamplingState]] = {}
+
+    # ---- start-up -------------------------------------------------------------------------
+    def _plan_kv(self):
+        kvc = self.args.kv_cache_config
+        per_token = kv_bytes_per_token(self.model.num_decoder_layers, self.model.num_decoder_heads,
+                                       self.model.decoder_head_dim, torch.tensor([], dtype=self.dtype).element_size())
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            free_bytes, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free_bytes * kvc.free_gpu_memory_fraction)
+        else:
+            budget = int(kvc.max_cpu_memory_bytes)
+        if kvc.max_tokens is not None:
+            budget = min(budget, kvc.max_tokens * per_token)
+        return plan_kv_pools(budget, kvc.cross_kv_cache_fraction, self.tokens_per_block, per_token)
+
+    # ---- per step -------------------------------------------------------------------------
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        for rid in so.finished_request_ids:
+            self.states.pop(rid, None)
+        if so.encodes:
+            self._register(so.encodes)
+            self._run_encoder(so.encodes)
+        if not so.seqs:
+            return ModelRunnerOutput()
+        input_ids, positions, meta = self._prepare_decode(so.seqs)
+        hidden = self.model.decode(input_ids, positions, meta, self.kv)           # [N, d_model]
+        logits = self.model.compute_logits(hidden[meta.last_token_indices])        # [S, vocab]
+        states = [self.states[s.request_id][s.seq_id] for s in so.seqs]
+        out = self.sampler(logits, states, [s.num_output_tokens for s in so.seqs])
+        sampled = {}
+        for i, s in enumerate(so.seqs):
+            sampled[s.seq_id] = SampledToken(
+                out.token_ids[i],
+                out.logprobs[i] if out.logprobs is not None else 0.0,
+                out.top_logprobs[i] if out.top_logprobs is not None else None)
+        return ModelRunnerOutput(sampled)
+
+    def _register(self, encodes: list[ScheduledEncode]) -> None:
+        for enc in encodes:
+            if enc.request_id in self.states:      # resumed after preemption: keep its RNG streams
+                continue
+            spec: SeqSamplingState = enc.sampling_params
+            per_seq = {}
+            for seq_id, index in zip(enc.seq_ids, enc.seq_indices):
+                gen = None
+                if spec.params.seed is not None and not spec.params.is_greedy:
+                    gen = torch.Generator(device=self.device)
+                    gen.manual_seed((spec.params.seed * 1_000_003 + index) & 0x7FFF_FFFF_FFFF_FFFF)
+                per_seq[seq_id] = dataclasses.replace(spec, generator=gen)
+            self.states[enc.request_id] = per_seq
+
+    def _run_encoder(self, encodes: list[ScheduledEncode]) -> None:
+        dev, tpb = self.device, self.tokens_per_block
+        lens = [e.encoder_len for e in encodes]
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        slots = []
+        for e in encodes:
+            slots += _slots(e.cross_block_ids, 0, e.encoder_len, tpb)
+        positions = None
+        if self.is_whisper:
+            inputs = torch.stack([torch.as_tensor(e.encoder_input) for e in encodes]).to(dev, self.dtype)
+        else:
+            flat = [t for e in encodes for t in e.encoder_input]
+            inputs = torch.tensor(flat, dtype=torch.long, device=dev)
+            positions = torch.tensor([p for n in lens for p in range(n)], dtype=torch.long, device=dev)
+        meta = EncoderMetadata(
+            cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=dev), seq_lens=lens, positions=positions,
+            cross_slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev))
+        enc_hidden = self.model.encode(inputs, meta)                # [num_enc_tokens, d_model]
+        self.model.write_cross_kv(enc_hidden, meta, self.kv)
+
+    def _prepare_decode(self, seqs: list[ScheduledSeq]):
+        dev, tpb = self.device, self.tokens_per_block
+        ids, pos, slots, qsl, last = [], [], [], [0], []
+        for s in seqs:
+            n = s.num_new_tokens
+            ids += s.input_token_ids
+            pos += range(s.start_pos, s.start_pos + n)
+            slots += _slots(s.block_ids, s.start_pos, n, tpb)
+            qsl.append(qsl[-1] + n)
+            last.append(qsl[-1] - 1)
+        i32 = dict(dtype=torch.int32, device=dev)
+        meta = DecoderMetadata(
+            query_start_loc=torch.tensor(qsl, **i32),
+            seq_lens=torch.tensor([s.seq_len for s in seqs], **i32),
+            block_tables=torch.tensor(_pad_table([s.block_ids for s in seqs]), **i32),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            cross_block_tables=torch.tensor(_pad_table([s.cross_block_ids for s in seqs]), **i32),
+            enc_lens=torch.tensor([s.encoder_len for s in seqs], **i32),
+            query_lens_host=[s.num_new_tokens for s in seqs],
+            seq_lens_host=[s.seq_len for s in seqs],
+            enc_lens_host=[s.encoder_len for s in seqs],
+            last_token_indices=torch.tensor(last, dtype=torch.long, device=dev))
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        return input_ids, positions, meta

@@ -1,0 +1,150 @@
+"""Building blocks shared by the model families: norms, MLPs, fused projections and the
+attention modules that send every attention call through the backend.
+
+Projections that read the same input are fused into one ``MergedLinear`` (q|k|v for
+self-attention, k|v for cross-attention, gate|up for gated MLPs): one GEMM instead of
+two or three per layer, which is what decode steps at small batch are bound by.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from enc2dec.engine.attention import DecoderMetadata, EncoderMetadata, LayerKV
+
+_gelu_tanh = functools.partial(F.gelu, approximate="tanh")
+
+# HF activation names -> functions. gelu_new / gelu_fast are the tanh approximation.
+ACTIVATIONS = {
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_new": _gelu_tanh,
+    "gelu_fast": _gelu_tanh,
+    "gelu_pytorch_tanh": _gelu_tanh,
+    "silu": F.silu,
+    "swish": F.silu,
+}
+
+
+def get_activation(name: str, option: str = "activation_function"):
+    if name not in ACTIVATIONS:
+        raise ValueError(f"{option}={name!r} is not supported; valid: {', '.join(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
+def clamp_fp16(h: torch.Tensor) -> torch.Tensor:
+    """Keep fp16 residual streams finite, as transformers does for T5/BART (no host sync)."""
+    if h.dtype != torch.float16:
+        return h
+    limit = torch.finfo(torch.float16).max - 1000
+    return h.clamp(-limit, limit)
+
+
+class RMSNorm(nn.Module):
+    """T5's LayerNorm: scale only, no mean subtraction, variance in float32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(self.weight.dtype)
+
+
+class MergedLinear(nn.Linear):
+    """Several same-shaped projections stacked on the output dim; shard ``i`` is rows
+    ``[i * out_per_shard, (i + 1) * out_per_shard)``. ``zero_bias_shards`` lists shards
+    whose bias does not exist in the checkpoint (Whisper's k_proj): they stay zero."""
+
+    def __init__(self, in_features: int, out_per_shard: int, num_shards: int, bias: bool,
+                 zero_bias_shards: tuple[int, ...] = ()):
+        super().__init__(in_features, out_per_shard * num_shards, bias=bias)
+        self.num_shards = num_shards
+        self.zero_bias_shards = zero_bias_shards
+
+
+class DenseMLP(nn.Module):
+    """fc1 -> act -> fc2 (T5 v1.0 relu without bias; BART/Whisper with bias)."""
+
+    def __init__(self, d_model: int, d_ff: int, act: str, bias: bool, option: str = "activation_function"):
+        super().__init__()
+        self.fc1 = nn.Linear(d_model, d_ff, bias=bias)
+        self.fc2 = nn.Linear(d_ff, d_model, bias=bias)
+        self.act = get_activation(act, option)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class GatedMLP(nn.Module):
+    """act(gate(x)) * up(x) -> fc2, gate and up fused (T5 v1.1 / Flan gated-gelu)."""
+
+    def __init__(self, d_model: int, d_ff: int, act: str, option: str = "feed_forward_proj"):
+        super().__init__()
+        self.gate_up = MergedLinear(d_model, d_ff, 2, bias=False)
+        self.fc2 = nn.Linear(d_ff, d_model, bias=False)
+        self.act = get_activation(act, option)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)              # [T, d_ff] each
+        return self.fc2(self.act(gate) * up)
+
+
+class SelfAttention(nn.Module):
+    """Self-attention with fused q|k|v. ``encode`` is bidirectional over packed sequences;
+    ``decode`` writes the new K/V into the paged cache, then attends causally."""
+
+    def __init__(self, d_model: int, num_heads: int, head_dim: int, bias: bool, scale: float,
+                 backend, k_bias: bool = True):
+        super().__init__()
+        self.num_heads, self.head_dim, self.scale = num_heads, head_dim, scale
+        self.backend = backend
+        inner = num_heads * head_dim
+        self.qkv = MergedLinear(d_model, inner, 3, bias, zero_bias_shards=() if k_bias else (1,))
+        self.out_proj = nn.Linear(inner, d_model, bias=bias)
+
+    def _split_qkv(self, x: torch.Tensor):
+        qkv = self.qkv(x).view(x.shape[0], 3, self.num_heads, self.head_dim)   # [T, 3, H, D]
+        return qkv.unbind(1)                                                      # 3 x [T, H, D]
+
+    def encode(self, x: torch.Tensor, meta: EncoderMetadata, bias_table: torch.Tensor | None = None):
+        q, k, v = self._split_qkv(x)
+        o = self.backend.encoder_attention(q, k, v, meta, self.scale, bias_table)  # [T, H, D]
+        return self.out_proj(o.reshape(x.shape[0], -1))
+
+    def decode(self, x: torch.Tensor, meta: DecoderMetadata, kv: LayerKV,
+               bias_table: torch.Tensor | None = None):
+        q, k, v = self._split_qkv(x)                                              # [N, H, D]
+        self.backend.store_kv(k, v, kv.k, kv.v, meta.slot_mapping)
+        o = self.backend.self_attention(q, kv.k, kv.v, meta, self.scale, bias_table)
+        return self.out_proj(o.reshape(x.shape[0], -1))
+
+
+class CrossAttention(nn.Module):
+    """Decoder attention over the request's encoder K/V, which ``write_kv`` projects once
+    (fused k|v) into the cross pool at admission."""
+
+    def __init__(self, d_model: int, num_heads: int, head_dim: int, bias: bool, scale: float,
+                 backend, k_bias: bool = True):
+        super().__init__()
+        self.num_heads, self.head_dim, self.scale = num_heads, head_dim, scale
+        self.backend = backend
+        inner = num_heads * head_dim
+        self.q_proj = nn.Linear(d_model, inner, bias=bias)
+        self.kv = MergedLinear(d_model, inner, 2, bias, zero_bias_shards=() if k_bias else (0,))
+        self.out_proj = nn.Linear(inner, d_model, bias=bias)
+
+    def write_kv(self, enc_hidden: torch.Tensor, slot_mapping: torch.Tensor, kv: LayerKV) -> None:
+        k, v = self.kv(enc_hidden).view(enc_hidden.shape[0], 2, self.num_heads, self.head_dim).unbind(1)
+        self.backend.store_kv(k, v, kv.k, kv.v, slot_mapping)                    # k, v: [T_enc, H, D]
+
+    def forward(self, x: torch.Tensor, meta: DecoderMetadata, kv: LayerKV) -> torch.Tensor:
+        q = self.q_proj(x).view(x.shape[0], self.num_heads, self.head_dim)      # [N, H, D]
+        o = self.backend.cross_attention(q, kv.k, kv.v, meta, self.scale)
+        return self.out_proj(o.reshape(x.shape[0], -1))

@@ -1,0 +1,147 @@
+"""T5 family: T5 v1.0 (relu MLP, tied head scaled by d_model**-0.5), T5 v1.1 / Flan-T5 /
+ByT5 (gated-gelu MLP, untied head), with any ``num_decoder_layers``.
+
+T5 has no absolute positions: each stack owns one relative-position bias embedding
+(the checkpoint keeps it in block 0) that the model turns into a per-head table once per
+call and hands to the backend, which indexes it by key/query distance. T5 attention is
+not scaled (scale = 1.0): the 1/sqrt(d) is folded into the initialisation of q.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from enc2dec.engine.attention import DecoderMetadata, EncoderMetadata, KVCache, LayerKV
+from enc2dec.engine.models.base import EncoderDecoderLM
+from enc2dec.engine.models.layers import (CrossAttention, DenseMLP, GatedMLP, RMSNorm, SelfAttention,
+                                          clamp_fp16)
+
+_QKV = {"q": 0, "k": 1, "v": 2}
+_KV = {"k": 0, "v": 1}
+_GATE_UP = {"0": 0, "1": 1}
+# HF block i, sub-layer j -> our layer i (groups 1 and 2 of the block pattern).
+_BLOCK = r"(encoder|decoder)\.block\.(\d+)\.layer\."
+_DEC_BLOCK = r"(decoder)\.block\.(\d+)\.layer\."
+_LAYER = r"\1.layers.\2."
+
+
+def relative_position_bucket(rel: torch.Tensor, bidirectional: bool, num_buckets: int,
+                             max_distance: int) -> torch.Tensor:
+    """T5's bucket of ``rel = key_pos - query_pos``: one bucket per distance below
+    ``num_buckets // 2``, log-spaced buckets up to ``max_distance``, then saturated.
+    Bidirectional tables give keys after the query their own half of the buckets."""
+    buckets = torch.zeros_like(rel)
+    if bidirectional:
+        num_buckets //= 2
+        buckets = buckets + (rel > 0).long() * num_buckets
+        dist = rel.abs()
+    else:
+        dist = (-rel).clamp(min=0)                       # causal: only keys at or before the query
+    max_exact = num_buckets // 2
+    log_ratio = torch.log(dist.float().clamp(min=1) / max_exact) / math.log(max_distance / max_exact)
+    large = (max_exact + (log_ratio * (num_buckets - max_exact)).long()).clamp(max=num_buckets - 1)
+    return buckets + torch.where(dist < max_exact, dist, large)
+
+
+class T5Layer(nn.Module):
+    def __init__(self, config, is_decoder: bool, backend):
+        super().__init__()
+        d, heads, d_kv, eps = config.d_model, config.num_heads, config.d_kv, config.layer_norm_epsilon
+        self.self_attn_norm = RMSNorm(d, eps)
+        self.self_attn = SelfAttention(d, heads, d_kv, bias=False, scale=1.0, backend=backend)
+        if is_decoder:
+            self.encoder_attn_norm = RMSNorm(d, eps)
+            self.encoder_attn = CrossAttention(d, heads, d_kv, bias=False, scale=1.0, backend=backend)
+        self.mlp_norm = RMSNorm(d, eps)
+        if config.is_gated_act:
+            self.mlp = GatedMLP(d, config.d_ff, config.dense_act_fn, option="feed_forward_proj")
+        else:
+            self.mlp = DenseMLP(d, config.d_ff, config.dense_act_fn, bias=False, option="feed_forward_proj")
+
+    def encode(self, h: torch.Tensor, meta: EncoderMetadata, bias_table: torch.Tensor) -> torch.Tensor:
+        h = clamp_fp16(h + self.self_attn.encode(self.self_attn_norm(h), meta, bias_table))
+        return clamp_fp16(h + self.mlp(self.mlp_norm(h)))
+
+    def decode(self, h: torch.Tensor, meta: DecoderMetadata, self_kv: LayerKV, cross_kv: LayerKV,
+               bias_table: torch.Tensor) -> torch.Tensor:
+        h = clamp_fp16(h + self.self_attn.decode(self.self_attn_norm(h), meta, self_kv, bias_table))
+        h = clamp_fp16(h + self.encoder_attn(self.encoder_attn_norm(h), meta, cross_kv))
+        return clamp_fp16(h + self.mlp(self.mlp_norm(h)))
+
+
+class T5Stack(nn.Module):
+    def __init__(self, config, num_layers: int, is_decoder: bool, backend):
+        super().__init__()
+        self.is_decoder = is_decoder
+        self.num_buckets = config.relative_attention_num_buckets
+        self.max_distance = config.relative_attention_max_distance
+        self.rel_bias = nn.Embedding(self.num_buckets, config.num_heads)
+        self.layers = nn.ModuleList(T5Layer(config, is_decoder, backend) for _ in range(num_layers))
+        self.final_norm = RMSNorm(config.d_model, config.layer_norm_epsilon)
+
+    def bias_table(self, length: int) -> torch.Tensor:
+        """Encoder: [H, 2L-1], column ``k - q + L - 1``; decoder: [H, L], column ``q - k``."""
+        device = self.rel_bias.weight.device
+        if self.is_decoder:
+            rel = -torch.arange(length, device=device)                         # k - q = -(q - k)
+        else:
+            rel = torch.arange(-(length - 1), length, device=device)
+        buckets = relative_position_bucket(rel, not self.is_decoder, self.num_buckets, self.max_distance)
+        return self.rel_bias(buckets).t().contiguous()                          # [H, len(rel)]
+
+
+class T5ForConditionalGeneration(EncoderDecoderLM):
+    weight_rules = [  # first match wins
+        (_BLOCK + r"0\.SelfAttention\.(?P<s>[qkv])\.weight", _LAYER + "self_attn.qkv.weight", _QKV),
+        (_BLOCK + r"0\.SelfAttention\.o\.weight", _LAYER + "self_attn.out_proj.weight", None),
+        (r"(encoder|decoder)\.block\.0\.layer\.0\.SelfAttention\.relative_attention_bias\.weight",
+         r"\1.rel_bias.weight", None),
+        (_BLOCK + r"0\.layer_norm\.weight", _LAYER + "self_attn_norm.weight", None),
+        (_DEC_BLOCK + r"1\.EncDecAttention\.q\.weight", _LAYER + "encoder_attn.q_proj.weight", None),
+        (_DEC_BLOCK + r"1\.EncDecAttention\.(?P<s>[kv])\.weight", _LAYER + "encoder_attn.kv.weight", _KV),
+        (_DEC_BLOCK + r"1\.EncDecAttention\.o\.weight", _LAYER + "encoder_attn.out_proj.weight", None),
+        # Some v1.0 checkpoints carry a cross-attention bias that transformers never uses either.
+        (_DEC_BLOCK + r"1\.EncDecAttention\.relative_attention_bias\.weight", None, None),
+        (_DEC_BLOCK + r"1\.layer_norm\.weight", _LAYER + "encoder_attn_norm.weight", None),
+        # The MLP sub-layer is layer.1 in the encoder and layer.2 in the decoder.
+        (_BLOCK + r"[12]\.DenseReluDense\.wi\.weight", _LAYER + "mlp.fc1.weight", None),
+        (_BLOCK + r"[12]\.DenseReluDense\.wi_(?P<s>[01])\.weight", _LAYER + "mlp.gate_up.weight", _GATE_UP),
+        (_BLOCK + r"[12]\.DenseReluDense\.wo\.weight", _LAYER + "mlp.fc2.weight", None),
+        (_BLOCK + r"[12]\.layer_norm\.weight", _LAYER + "mlp_norm.weight", None),
+        (r"(encoder|decoder)\.final_layer_norm\.weight", r"\1.final_norm.weight", None),
+    ]
+
+    def __init__(self, config, backend):
+        super().__init__()
+        self.config = config
+        d = config.d_model
+        self.embed_tokens = nn.Embedding(config.vocab_size, d)
+        self.encoder = T5Stack(config, config.num_layers, False, backend)
+        self.decoder = T5Stack(config, config.num_decoder_layers, True, backend)
+        # transformers >= 5 forces tie_word_embeddings=True on T5 and keeps the checkpoint's
+        # own flag as scale_decoder_outputs; older versions have only tie_word_embeddings.
+        tied = bool(getattr(config, "scale_decoder_outputs", config.tie_word_embeddings))
+        self._init_lm_head(config.vocab_size, d, tied=tied, logits_scale=d ** -0.5 if tied else 1.0)
+        self.num_decoder_layers = config.num_decoder_layers
+        self.num_decoder_heads = config.num_heads
+        self.decoder_head_dim = config.d_kv
+        self.max_decoder_positions = None
+        self.max_encoder_positions = None
+
+    def encode(self, input_ids: torch.Tensor, meta: EncoderMetadata) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)                                        # [T, d]
+        bias = self.encoder.bias_table(meta.max_seqlen)                         # [H, 2L-1]
+        for layer in self.encoder.layers:
+            h = layer.encode(h, meta, bias)
+        return self.encoder.final_norm(h)
+
+    def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: DecoderMetadata,
+               kv: KVCache) -> torch.Tensor:
+        # positions are implied by meta (relative bias); the argument keeps one signature for all models.
+        h = self.embed_tokens(input_ids)                                        # [N, d]
+        bias = self.decoder.bias_table(max(meta.seq_lens_host))                 # [H, L]
+        for layer, self_kv, cross_kv in zip(self.decoder.layers, kv.self_kv, kv.cross_kv):
+            h = layer.decode(h, meta, self_kv, cross_kv, bias)
+        return self.decoder.final_norm(h)

@@ -1,0 +1,69 @@
+"""SamplingParams: how one request decodes (names follow TensorRT-LLM's LLM API)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class SamplingParams:
+    """Decoding settings for one request.
+
+    Greedy decoding is used when ``temperature == 0`` or when none of ``temperature``,
+    ``top_k`` and ``top_p`` is set (TensorRT-LLM's rule).
+    """
+
+    max_tokens: int = 32
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    n: int = 1
+    best_of: int | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    end_id: int | None = None            # overrides the checkpoint's EOS
+    stop_token_ids: list[int] | None = None
+    stop: str | list[str] | None = None
+    include_stop_str_in_output: bool = False
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None          # top-k logprobs per token (0: only the sampled token's)
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.temperature is not None and self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"n ({self.n}) must not exceed best_of ({self.best_of})")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is not None and any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def is_greedy(self) -> bool:
+        if self.use_beam_search:
+            return False
+        if self.temperature == 0:
+            return True
+        return self.temperature is None and self.top_k is None and self.top_p is None
+
+    @property
+    def beam_width(self) -> int:
+        return (self.best_of or self.n) if self.use_beam_search else 1

@@ -1,0 +1,289 @@
+"""Continuous-batching policy: which requests to encode, which sequences to decode.
+
+Pure Python (no torch). One step is ``schedule()`` -> model runner -> ``update()``;
+the two calls must alternate (``update`` of step N before ``schedule`` of step N+1),
+because ``schedule`` reads the tokens and ``num_computed_tokens`` that ``update`` writes.
+
+Policy, in the order ``schedule()`` applies it:
+1. Running requests, oldest admission first: every live sequence gets self blocks for
+   all its tokens. When the pool is short, the most recently admitted request is
+   preempted (recompute: all its KV is dropped, it goes back to the front of the waiting
+   queue and is re-encoded and re-fed its whole token history when readmitted).
+2. Unless step 1 preempted, waiting requests are admitted strictly first come, first
+   served: the first one that does not fit ends admission (no overtaking), so a large
+   request is never starved by small ones behind it.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from enc2dec.engine.admission import SchedulerLimits, admission_error  # noqa: F401 (re-export)
+from enc2dec.engine.batch import (ModelRunnerOutput, SampledToken, ScheduledEncode,
+                                  ScheduledSeq, SchedulerOutput)
+from enc2dec.engine.block_manager import BlockPool, blocks_needed
+from enc2dec.engine.request import Request, RequestStatus, Sequence
+
+
+@dataclass
+class _StepBudget:
+    """What the step being built uses so far."""
+
+    num_encodes: int = 0
+    num_encoder_tokens: int = 0
+    num_tokens: int = 0          # encoder positions + decoder tokens
+    num_seqs: int = 0            # live sequences of running requests
+    num_growth_blocks: int = 0   # self blocks those sequences need on top at the next step
+
+
+class Scheduler:
+    def __init__(self, limits: SchedulerLimits, num_self_blocks: int, num_cross_blocks: int) -> None:
+        self.limits = limits
+        self.self_pool = BlockPool(num_self_blocks)
+        self.cross_pool = BlockPool(num_cross_blocks)
+        self.waiting: deque[Request] = deque()   # FCFS; preempted requests return to the front
+        self.running: list[Request] = []         # admission order; preemption takes the last
+        self.num_preemptions = 0                 # since start, for metrics
+        self._requests: dict[str, Request] = {}  # unfinished requests by id
+        self._live_seqs: dict[int, tuple[Request, Sequence]] = {}   # unfinished seqs by seq_id
+        self._finished_ids: list[str] = []       # finished or aborted since the last schedule()
+
+    # ----------------------------------------------------------------- requests in and out
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_running_seqs(self) -> int:
+        return sum(len(req.live_seqs) for req in self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def check_admissible(self, req: Request) -> str | None:
+        """Why ``req`` can never be scheduled with these limits and pools; None if it can."""
+        return admission_error(req, self.limits, self.self_pool.num_total_blocks,
+                               self.cross_pool.num_total_blocks)
+
+    def add_request(self, req: Request) -> None:
+        """Queue ``req``; raises ValueError for a duplicate id or an inadmissible request."""
+        if req.request_id in self._requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        reason = self.check_admissible(req)
+        if reason is not None:
+            raise ValueError(reason)
+        assert req.status is RequestStatus.WAITING and not req.cross_block_ids, req
+        self._requests[req.request_id] = req
+        for seq in req.live_seqs:
+            assert not seq.block_ids and seq.num_computed_tokens == 0, seq
+            self._live_seqs[seq.seq_id] = (req, seq)
+        self.waiting.append(req)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Abort in any state; its id is reported at the next schedule(). None if unknown or done."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return None
+        for seq in req.live_seqs:
+            self._finish(req, seq, RequestStatus.FINISHED_ABORTED, None)
+        return req
+
+    def finish_seq(self, seq: Sequence | int, status: RequestStatus,
+                   stop_reason: int | str | None = None) -> Request | None:
+        """Finish one sequence (e.g. a stop string matched); returns its request if that finished too."""
+        assert status.is_finished, status
+        seq_id = seq if isinstance(seq, int) else seq.seq_id
+        entry = self._live_seqs.get(seq_id)
+        if entry is None:
+            return None   # already finished or aborted
+        return self._finish(*entry, status, stop_reason)
+
+    # ------------------------------------------------------------------------- schedule
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = _StepBudget()
+        self._schedule_running(out, budget)
+        # After a preemption the preempted request heads the queue and cannot fit yet, so
+        # FCFS admits nothing anyway; saying so keeps admission from eating freed blocks.
+        if not out.preempted_request_ids:
+            self._admit_waiting(out, budget)
+        # Finished ids ride on the next step the runner actually executes: an engine may
+        # skip empty outputs, and the runner must still hear of them to drop their state.
+        if not out.is_empty:
+            out.finished_request_ids, self._finished_ids = self._finished_ids, []
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: _StepBudget) -> None:
+        i = 0
+        while i < len(self.running):
+            req = self.running[i]
+            if not self._grow_self_blocks(req, out):
+                break   # req was the newest running request and preempted itself
+            self._emit_seqs(req, out, budget)
+            i += 1
+        # Running sequences feed one token each, and admission kept their count within budget.
+        assert budget.num_tokens <= self.limits.max_num_tokens, "was update() skipped?"
+
+    def _grow_self_blocks(self, req: Request, out: SchedulerOutput) -> bool:
+        """Cover every live sequence's tokens, preempting newer requests; False if req itself went."""
+        num_missing = sum(self._num_missing_self_blocks(s) for s in req.live_seqs)
+        while not self.self_pool.can_allocate(num_missing):
+            victim = self.running[-1]
+            self._preempt(victim)
+            out.preempted_request_ids.append(victim.request_id)
+            if victim is req:
+                return False
+        for seq in req.live_seqs:
+            seq.block_ids.extend(self.self_pool.allocate(self._num_missing_self_blocks(seq)))
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        assert self.running[-1] is req, "only the newest running request is preempted"
+        self.running.pop()
+        for seq in req.live_seqs:
+            self.self_pool.free(seq.block_ids)
+            seq.block_ids = []
+            seq.num_computed_tokens = 0   # generated tokens stay: they are re-fed on resume
+            seq.status = RequestStatus.WAITING
+        self.cross_pool.free(req.cross_block_ids)
+        req.cross_block_ids = []
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: _StepBudget) -> None:
+        while self.waiting and self._can_admit(self.waiting[0], budget):
+            self._admit(self.waiting.popleft(), out, budget)
+
+    def _can_admit(self, req: Request, budget: _StepBudget) -> bool:
+        lim, tpb = self.limits, self.limits.tokens_per_block
+        seqs = req.live_seqs
+        num_step_tokens = req.encoder_len + sum(s.num_new_tokens for s in seqs)
+        num_self_blocks = sum(blocks_needed(s.num_tokens, tpb) + self._num_growth_blocks(req, s)
+                              for s in seqs)
+        return (budget.num_encodes + 1 <= lim.encoder_max_batch_size
+                and budget.num_encoder_tokens + req.encoder_len <= lim.encoder_max_num_tokens
+                and budget.num_seqs + len(seqs) <= lim.max_batch_size
+                and budget.num_tokens + num_step_tokens <= lim.max_num_tokens
+                and self.cross_pool.can_allocate(blocks_needed(req.encoder_len, tpb))
+                # Leave room for every running sequence to grow next step, so a request is
+                # not encoded now only to be preempted at the next block boundary.
+                and self.self_pool.can_allocate(num_self_blocks + budget.num_growth_blocks))
+
+    def _admit(self, req: Request, out: SchedulerOutput, budget: _StepBudget) -> None:
+        tpb = self.limits.tokens_per_block
+        req.cross_block_ids = self.cross_pool.allocate(blocks_needed(req.encoder_len, tpb))
+        seqs = req.live_seqs
+        for seq in seqs:
+            seq.block_ids = self.self_pool.allocate(blocks_needed(seq.num_tokens, tpb))
+            seq.status = RequestStatus.RUNNING
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        out.encodes.append(ScheduledEncode(
+            request_id=req.request_id, encoder_input=req.encoder_input,
+            encoder_len=req.encoder_len, cross_block_ids=req.cross_block_ids,
+            sampling_params=req.sampling_params, seq_ids=[s.seq_id for s in seqs],
+            seq_indices=[s.index for s in seqs]))
+        budget.num_encodes += 1
+        budget.num_encoder_tokens += req.encoder_len
+        budget.num_tokens += req.encoder_len
+        self._emit_seqs(req, out, budget)
+
+    def _emit_seqs(self, req: Request, out: SchedulerOutput, budget: _StepBudget) -> None:
+        for seq in req.live_seqs:
+            # cross_block_ids is shared, not copied: it is replaced, never mutated, while
+            # the request lives. block_ids is copied: it grows in place next step.
+            out.seqs.append(ScheduledSeq(
+                seq_id=seq.seq_id, request_id=req.request_id,
+                input_token_ids=seq.token_ids[seq.num_computed_tokens:],
+                start_pos=seq.num_computed_tokens, block_ids=list(seq.block_ids),
+                cross_block_ids=req.cross_block_ids, encoder_len=req.encoder_len,
+                num_output_tokens=seq.num_output_tokens))
+            budget.num_tokens += seq.num_new_tokens
+            budget.num_seqs += 1
+            budget.num_growth_blocks += self._num_growth_blocks(req, seq)
+
+    def _num_missing_self_blocks(self, seq: Sequence) -> int:
+        return blocks_needed(seq.num_tokens, self.limits.tokens_per_block) - len(seq.block_ids)
+
+    def _num_growth_blocks(self, req: Request, seq: Sequence) -> int:
+        """Extra self blocks ``seq`` needs next step: 1 at a block boundary unless it ends now."""
+        is_last_step = seq.num_output_tokens + 1 >= req.max_output_tokens
+        is_at_boundary = seq.num_tokens % self.limits.tokens_per_block == 0
+        return int(is_at_boundary and not is_last_step)
+
+    # --------------------------------------------------------------------------- update
+
+    def update(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[Request]:
+        """Append this step's sampled tokens and apply stop rules; returns requests finished now."""
+        finished: list[Request] = []
+        for scheduled in sched_out.seqs:
+            entry = self._live_seqs.get(scheduled.seq_id)
+            if entry is None:
+                continue   # finished or aborted since schedule()
+            req, seq = entry
+            # Only update() advances a sequence and only schedule() preempts, so a live
+            # sequence is exactly as schedule() left it, unless the two calls stopped alternating.
+            assert seq.status is RequestStatus.RUNNING and seq.num_tokens == scheduled.seq_len, \
+                f"seq {seq.seq_id} changed since it was scheduled: schedule() ran twice before update()?"
+            sampled = runner_out.sampled.get(scheduled.seq_id)
+            assert sampled is not None, f"runner returned no token for seq {scheduled.seq_id}"
+            self._append_token(seq, sampled, scheduled.seq_len)
+            status, stop_reason = self._check_stop(req, seq, sampled.token_id)
+            if status is not None:
+                done = self._finish(req, seq, status, stop_reason)
+                if done is not None:
+                    finished.append(done)
+        return finished
+
+    @staticmethod
+    def _append_token(seq: Sequence, sampled: SampledToken, seq_len: int) -> None:
+        seq.num_computed_tokens = seq_len
+        seq.token_ids.append(sampled.token_id)
+        seq.cumulative_logprob += sampled.logprob
+        if sampled.top_logprobs is not None:
+            if seq.logprobs is None:
+                seq.logprobs = []
+            seq.logprobs.append(sampled.top_logprobs)
+
+    @staticmethod
+    def _check_stop(req: Request, seq: Sequence,
+                    token_id: int) -> tuple[RequestStatus | None, int | None]:
+        """(finish status, stop_reason) after ``token_id`` was appended; (None, None) to go on."""
+        # min_tokens holds back EOS and stop tokens alike (as vLLM does);
+        # the length limit still applies.
+        if seq.num_output_tokens >= req.min_tokens:
+            if token_id in req.eos_token_ids and not req.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED, None    # the EOS stays in the output
+            if token_id in req.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED, token_id
+        if seq.num_output_tokens >= req.max_output_tokens:
+            return RequestStatus.FINISHED_LENGTH, None
+        return None, None
+
+    def _finish(self, req: Request, seq: Sequence, status: RequestStatus,
+                stop_reason: int | str | None) -> Request | None:
+        """Finish ``seq`` and free its self blocks; retire ``req`` when it was the last live one."""
+        seq.status = status
+        seq.stop_reason = stop_reason
+        self.self_pool.free(seq.block_ids)
+        seq.block_ids = []
+        del self._live_seqs[seq.seq_id]
+        if not req.is_finished:
+            return None
+        queue = self.running if req.status is RequestStatus.RUNNING else self.waiting
+        # By identity: Request is a dataclass whose == would compare encoder inputs.
+        del queue[next(i for i, r in enumerate(queue) if r is req)]
+        self.cross_pool.free(req.cross_block_ids)
+        req.cross_block_ids = []
+        req.status = status   # each sequence keeps its own status for its CompletionOutput
+        del self._requests[req.request_id]
+        self._finished_ids.append(req.request_id)
+        return req

@@ -1,0 +1,72 @@
+"""The ``triton`` attention backend: the four functions of ``engine/attention.py``'s
+``TorchAttentionBackend`` on the GPU path.
+
+- ``encoder_attention``: one fused ``scaled_dot_product_attention`` over the padded
+  batch (key-padding mask, plus the T5 bias); no per-sequence loop.
+- ``store_kv``: the Triton slot store (negative slots skipped).
+- ``self_attention`` / ``cross_attention``: the Triton paged kernel. Any query length per
+  sequence is handled in the kernel (one program per query token), so first steps with a
+  prefix and recompute after preemption need no fallback.
+
+No host syncs in the decoder functions: the split-K choice reads only the metadata's host
+lists and tensor shapes. Without Triton (or on CPU without ``TRITON_INTERPRET=1``) every
+kernel falls back to its torch reference.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .kv_store import store_kv
+from .paged_attention import paged_attention, pick_num_splits
+from .reference import token_seq_index
+
+
+class TritonAttentionBackend:
+    name = "triton"
+
+    def encoder_attention(self, q, k, v, meta, scale: float,
+                          bias_table: torch.Tensor | None = None) -> torch.Tensor:
+        """Bidirectional attention over a packed encoder batch; q, k, v: [T, H, D]."""
+        num_tokens, num_heads, head_dim = q.shape
+        batch, max_len = meta.batch_size, meta.max_seqlen
+        pos = torch.arange(max_len, device=q.device)                          # [L]
+        bias = None
+        if bias_table is not None:
+            width = bias_table.shape[1]                                       # 2 * L_table - 1
+            rel = (pos[None, :] - pos[:, None] + (width - 1) // 2).clamp(0, width - 1)   # [L, L] k - q
+            bias = bias_table[:, rel].to(q.dtype)[None]                       # [1, H, L, L]
+        if num_tokens == batch * max_len:
+            # Equal lengths (every Whisper batch): a plain reshape, no padding mask.
+            qb, kb, vb = (t.reshape(batch, max_len, num_heads, head_dim).transpose(1, 2) for t in (q, k, v))
+            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=bias, scale=scale)   # [B, H, L, D]
+            return o.transpose(1, 2).reshape(num_tokens, num_heads, head_dim)
+        cu = meta.cu_seqlens.long()                                           # [B + 1]
+        lens = cu[1:] - cu[:-1]                                               # [B]
+        index = (cu[:-1, None] + pos[None, :]).clamp(max=num_tokens - 1)      # [B, L]
+        qb, kb, vb = (t[index].transpose(1, 2) for t in (q, k, v))            # [B, H, L, D]
+        is_pad = pos[None, :] >= lens[:, None]                                # [B, L]
+        mask = torch.zeros((batch, 1, 1, max_len), dtype=q.dtype, device=q.device)
+        mask.masked_fill_(is_pad[:, None, None, :], float("-inf"))            # [B, 1, 1, L]
+        if bias is not None:
+            mask = mask + bias                                                # [B, H, L, L]
+        o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale)   # [B, H, L, D]
+        seq = token_seq_index(cu, num_tokens)                                 # [T]
+        offset = torch.arange(num_tokens, device=q.device) - cu[seq]          # [T]
+        return o.transpose(1, 2)[seq, offset]                                 # [T, H, D]
+
+    def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def self_attention(self, q, k_cache, v_cache, meta, scale: float,
+                       bias_table: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal attention of the new tokens q [N, H, D] over their sequences' paged K/V."""
+        splits = pick_num_splits(q.shape[0], q.shape[1], max(meta.seq_lens_host, default=0), q.device)
+        return paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                               scale, causal=True, bias_table=bias_table, num_splits=splits)
+
+    def cross_attention(self, q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
+        """Attention of q [N, H, D] over each request's encoder K/V (no mask beyond enc_len)."""
+        splits = pick_num_splits(q.shape[0], q.shape[1], max(meta.enc_lens_host, default=0), q.device)
+        return paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.enc_lens,
+                               meta.cross_block_tables, scale, causal=False, num_splits=splits)

@@ -1,0 +1,237 @@
+"""Paged decode attention (decoder self- and cross-attention), split-K / flash-decoding style.
+
+One program per (query token, head, split). A token finds its sequence by a binary search
+of ``query_start_loc`` (no host-built maps, so the launch is CUDA-graph safe and any query
+length works: one token per sequence in steady decode, the prefix on a first step,
+everything again after a preemption). Its keys are ``[0, kv_len)``: for causal
+self-attention ``kv_len = q_pos + 1`` with ``q_pos = seq_len - q_len + i``; for cross
+attention ``kv_len = enc_len``. With ``num_splits > 1`` the keys are cut into that many
+equal chunks per token (chunk sizes follow each sequence's own length, so a graph captured
+with one ``num_splits`` stays correct for any lengths), and a second kernel merges the
+partial softmaxes.
+
+Scores are ``scale * q.k + bias[h, q_pos - k_pos]`` in fp32 (exp2 with log2(e) folded
+in); inputs fp32/fp16/bf16. Tokens with no keys (padding past ``qsl[S]``, empty
+sequences) get zeros.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import can_use_triton, lazy_jit
+from .reference import paged_attention_ref
+
+try:
+    import triton.language as tl
+except ImportError:  # the kernels below are only decorated and run when triton exists
+    tl = None
+
+_LOG2E = 1.4426950408889634
+_MAX_SPLITS = 16
+_MIN_KEYS_PER_SPLIT = 128
+
+
+@lazy_jit
+def _paged_attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, m_ptr, l_ptr,
+    qsl_ptr, kv_lens_ptr, block_tables_ptr, bias_ptr,
+    num_seqs, num_search_steps, scale_log2, bias_len,
+    stride_qn, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_on, stride_oh, stride_os,
+    stride_bt, stride_bias_h,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    TOKENS_PER_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # Sequence of this token: the smallest s with qsl[s + 1] > tok (num_seqs for padding).
+    lo = tok * 0
+    hi = lo + num_seqs
+    for _ in range(num_search_steps):
+        searching = lo < hi
+        mid = (lo + hi) // 2
+        mid_end = tl.load(qsl_ptr + mid + 1, mask=searching, other=0)
+        go_right = searching & (mid_end <= tok)
+        go_left = searching & (mid_end > tok)
+        lo = tl.where(go_right, mid + 1, lo)
+        hi = tl.where(go_left, mid, hi)
+    seq = tl.minimum(lo, num_seqs - 1)
+    q_start = tl.load(qsl_ptr + seq)
+    q_end = tl.load(qsl_ptr + seq + 1)
+    seq_kv_len = tl.load(kv_lens_ptr + seq)
+    q_pos = seq_kv_len - (q_end - q_start) + (tok - q_start)
+    if CAUSAL:
+        kv_len = q_pos + 1
+    else:
+        kv_len = seq_kv_len
+    kv_len = tl.where(lo < num_seqs, tl.maximum(kv_len, 0), 0)
+
+    # This split's keys: equal chunks of the token's own length, whole tiles each.
+    chunk = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    k_begin = split * chunk
+    k_end = tl.minimum(k_begin + chunk, kv_len)
+
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + tok * stride_qn + head * stride_qh + offs_d, mask=mask_d, other=0.0)
+    q = q.to(tl.float32) * scale_log2                                        # [BLOCK_D]
+
+    m_i = tl.full([], float("-inf"), tl.float32)
+    l_i = tl.full([], 0.0, tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for n0 in range(k_begin, k_end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)                                  # [BLOCK_N]
+        mask_n = offs_n < k_end
+        page = tl.load(table_row + offs_n // TOKENS_PER_BLOCK, mask=mask_n, other=0).to(tl.int64)
+        in_page = (offs_n % TOKENS_PER_BLOCK).to(tl.int64)
+        mask_nd = mask_n[:, None] & mask_d[None, :]
+        k_off = page * stride_kb + in_page * stride_kt + head * stride_kh    # [BLOCK_N]
+        k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=mask_nd, other=0.0)
+        s = tl.sum(k.to(tl.float32) * q[None, :], axis=1)                    # [BLOCK_N]
+        if HAS_BIAS:
+            rel = tl.minimum(tl.maximum(q_pos - offs_n, 0), bias_len - 1)
+            b = tl.load(bias_ptr + head * stride_bias_h + rel, mask=mask_n, other=0.0)
+            s += b.to(tl.float32) * 1.4426950408889634
+        s = tl.where(mask_n, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))   # finite: a tile's first key is always valid
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new)                                               # [BLOCK_N]
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        v_off = page * stride_vb + in_page * stride_vt + head * stride_vh
+        v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=mask_nd, other=0.0)
+        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)    # [BLOCK_D]
+        m_i = m_new
+
+    out_row = out_ptr + tok * stride_on + head * stride_oh
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)
+        tl.store(out_row + offs_d, out.to(out_ptr.dtype.element_ty), mask=mask_d)
+    else:
+        # Un-normalised partials; m_ptr/l_ptr are [N, H, NUM_SPLITS] contiguous.
+        tl.store(out_row + split * stride_os + offs_d, acc, mask=mask_d)
+        stat = (tok * tl.num_programs(1) + head) * NUM_SPLITS + split
+        tl.store(m_ptr + stat, m_i)
+        tl.store(l_ptr + stat, l_i)
+
+
+@lazy_jit
+def _merge_splits_kernel(
+    part_ptr, m_ptr, l_ptr, out_ptr,
+    stride_pn, stride_ph, stride_ps, stride_on, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < NUM_SPLITS
+    mask_d = offs_d < HEAD_DIM
+    stat = (tok * tl.num_programs(1) + head) * NUM_SPLITS + offs_s
+    m = tl.load(m_ptr + stat, mask=mask_s, other=float("-inf"))             # [BLOCK_S]
+    l = tl.load(l_ptr + stat, mask=mask_s, other=0.0)
+    has_keys = m > float("-inf")
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max > float("-inf"), m_max, 0.0)
+    w = tl.where(has_keys, tl.exp2(tl.where(has_keys, m, m_max) - m_max), 0.0)   # [BLOCK_S]
+    part = tl.load(part_ptr + tok * stride_pn + head * stride_ph + offs_s[:, None] * stride_ps
+                   + offs_d[None, :], mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+    total = tl.sum(w * l, axis=0)
+    out = tl.sum(w[:, None] * part, axis=0) / tl.where(total > 0, total, 1.0)   # [BLOCK_D]
+    tl.store(out_ptr + tok * stride_on + head * stride_oh + offs_d,
+             out.to(out_ptr.dtype.element_ty), mask=mask_d)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def launch_config(block_d: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of the attention kernel for a padded head_dim."""
+    return max(16, min(128, 4096 // block_d)), 4, 2
+
+
+def pick_num_splits(num_tokens: int, num_heads: int, max_kv_len: int, device: torch.device) -> int:
+    """Split-K only when (tokens x heads) programs leave SMs idle and the keys are long.
+
+    Host-side: ``max_kv_len`` comes from the metadata's host lists. A power of two, so few
+    kernel variants get compiled.
+    """
+    want = math.ceil(2 * _num_sms(device) / max(1, num_tokens * num_heads))
+    by_len = math.ceil(max_kv_len / _MIN_KEYS_PER_SPLIT)
+    splits = max(1, min(want, by_len, _MAX_SPLITS))
+    return 1 << (splits - 1).bit_length() if splits & (splits - 1) else splits
+
+
+def paged_attention(q, k_cache, v_cache, query_start_loc, kv_lens, block_tables, scale: float, *,
+                    causal: bool, bias_table: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
+    """Attention of packed queries over paged K/V; returns ``out`` ``[N, H, D]`` (q's dtype).
+
+    q: [N, H, D]; k_cache, v_cache: [num_blocks, tokens_per_block, H, D];
+    query_start_loc: [S + 1] int32; kv_lens: [S] int32 (self: seq_lens incl. new tokens,
+    cross: enc_lens); block_tables: [S, max_blocks] int32; bias_table: [H, L] read at
+    ``clamp(q_pos - k_pos, 0, L - 1)`` (the T5 decoder table; meant for causal use). ``num_splits`` None picks by occupancy.
+    """
+    if not can_use_triton(q, k_cache, v_cache, block_tables):
+        return paged_attention_ref(q, k_cache, v_cache, query_start_loc, kv_lens, block_tables, scale,
+                                   causal=causal, bias_table=bias_table, out=out)
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs = kv_lens.shape[0]
+    tokens_per_block = k_cache.shape[1]
+    assert k_cache.shape[2] == num_heads and k_cache.shape[3] == head_dim, "cache heads/dim != q"
+    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    assert tokens_per_block & (tokens_per_block - 1) == 0, "tokens_per_block must be a power of two"
+    if out is None:
+        out = torch.empty_like(q)
+    if num_tokens == 0:
+        return out
+    if num_splits is None:
+        max_kv_len = block_tables.shape[1] * tokens_per_block
+        num_splits = pick_num_splits(num_tokens, num_heads, max_kv_len, q.device)
+    block_d = triton_next_pow2(head_dim)
+    block_n, num_warps, num_stages = launch_config(block_d)
+    if num_splits > 1:
+        part = torch.empty((num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32,
+                           device=q.device)                                 # [N, H, splits, D]
+        m = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        l = torch.empty_like(m)
+        dst, stride_os = part, part.stride(2)
+    else:
+        part = m = l = None
+        dst, stride_os = out, 0
+    has_bias = bias_table is not None
+    bias = bias_table if has_bias else q                                    # dummy pointer
+    search_steps = max(1, num_seqs).bit_length() + 1
+    _paged_attention_kernel[(num_tokens, num_heads, num_splits)](
+        q, k_cache, v_cache, dst, m if m is not None else dst, l if l is not None else dst,
+        query_start_loc, kv_lens, block_tables, bias,
+        num_seqs, search_steps, scale * _LOG2E, bias_table.shape[1] if has_bias else 1,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        dst.stride(0), dst.stride(1), stride_os,
+        block_tables.stride(0), bias.stride(0) if has_bias else 0,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, TOKENS_PER_BLOCK=tokens_per_block,
+        NUM_SPLITS=num_splits, CAUSAL=causal, HAS_BIAS=has_bias, num_warps=num_warps, num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            part, m, l, out, part.stride(0), part.stride(1), part.stride(2), out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
+            BLOCK_S=triton_next_pow2(num_splits), num_warps=4,
+        )
+    return out
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()

@@ -1,0 +1,94 @@
+"""Pure-torch references for every kernel in this package, with the kernels' signatures.
+
+They define what the kernels compute (the tests compare the two on random inputs) and
+are the fallback wherever Triton cannot run. They favour clarity over memory; the
+attention and norm references are also free of host syncs (``store_kv_ref`` is not: it
+selects the non-negative slots with a boolean mask).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def token_seq_index(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Sequence of each of ``num_tokens`` packed tokens; ``S`` for tokens past ``qsl[S]``."""
+    qsl = query_start_loc.long()                                            # [S + 1]
+    tokens = torch.arange(num_tokens, device=qsl.device)                    # [N]
+    return torch.searchsorted(qsl[1:].contiguous(), tokens, right=True)     # [N]
+
+
+def paged_attention_ref(q, k_cache, v_cache, query_start_loc, kv_lens, block_tables, scale: float, *,
+                        causal: bool, bias_table: torch.Tensor | None = None,
+                        out: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
+    """Attention of packed queries over paged K/V (see ``paged_attention.paged_attention``).
+
+    ``num_splits`` only steers the kernel's split-K and is ignored here.
+    """
+    num_tokens, num_heads, _ = q.shape                                      # q: [N, H, D]
+    num_seqs = kv_lens.shape[0]
+    tokens_per_block = k_cache.shape[1]                                     # cache: [B, T, H, D]
+    qsl = query_start_loc.long()
+    seq = token_seq_index(qsl, num_tokens)                                  # [N]
+    is_real = seq < num_seqs
+    seq = seq.clamp(max=num_seqs - 1)
+    q_start, q_end = qsl[seq], qsl[seq + 1]                                 # [N]
+    kv_len = kv_lens.long()[seq]                                            # [N]
+    q_pos = kv_len - (q_end - q_start) + (torch.arange(num_tokens, device=q.device) - q_start)
+    limit = torch.where(is_real, q_pos + 1 if causal else kv_len, 0)        # keys each token sees
+    k_pos = torch.arange(block_tables.shape[1] * tokens_per_block, device=q.device)  # [K]
+    pages = block_tables.long()[seq][:, k_pos // tokens_per_block]          # [N, K]
+    k = k_cache[pages, k_pos % tokens_per_block].float()                    # [N, K, H, D]
+    v = v_cache[pages, k_pos % tokens_per_block].float()                    # [N, K, H, D]
+    scores = torch.einsum("nhd,nkhd->nhk", q.float(), k) * scale            # [N, H, K]
+    if bias_table is not None:
+        rel = (q_pos[:, None] - k_pos[None, :]).clamp(0, bias_table.shape[1] - 1)   # [N, K]
+        scores = scores + bias_table.float()[:, rel].transpose(0, 1)        # [N, H, K]
+    visible = k_pos[None, :] < limit[:, None]                               # [N, K]
+    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)                   # tokens with no keys -> 0
+    result = torch.einsum("nhk,nkhd->nhd", probs, v)                        # [N, H, D]
+    if out is None:
+        return result.to(q.dtype)
+    out.copy_(result)
+    return out
+
+
+def store_kv_ref(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """Write ``k, v [N, H, D]`` into cache slots; a negative slot (padding) is skipped."""
+    keep = slot_mapping >= 0                                                # [N]
+    slots = slot_mapping[keep].long()
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k[keep].to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v[keep].to(v_cache.dtype))
+
+
+def _residual_sum(x, residual):
+    # Rounded to the residual stream's dtype first, like the eager model's ``x + residual``.
+    return x if residual is None else (x.float() + residual.float()).to(residual.dtype)
+
+
+def fused_add_rms_norm_ref(x, residual, weight, eps: float):
+    """T5 RMSNorm of ``x + residual`` (no mean, no bias, fp32 math) -> (normed, new_residual)."""
+    h = _residual_sum(x, residual)                                          # [..., hidden]
+    hf = h.float()
+    normed = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return normed.to(x.dtype), h
+
+
+def fused_add_layer_norm_ref(x, residual, weight, bias, eps: float):
+    """LayerNorm of ``x + residual`` (fp32 math) -> (normed, new_residual)."""
+    h = _residual_sum(x, residual)
+    b = None if bias is None else bias.float()
+    normed = F.layer_norm(h.float(), (h.shape[-1],), weight.float(), b, eps)
+    return normed.to(x.dtype), h
+
+
+def gelu_ref(x, approximate: str = "none"):
+    """GELU, exact (``"none"``, erf) or ``"tanh"`` (HF ``gelu_new``), computed in fp32."""
+    return F.gelu(x.float(), approximate=approximate).to(x.dtype)
+
+
+def gated_gelu_ref(x, approximate: str = "tanh"):
+    """``x [..., 2F]`` = gate | up halves -> ``gelu(gate) * up [..., F]`` (T5 v1.1 gated-gelu)."""
+    gate, up = x.float().chunk(2, dim=-1)
+    return (F.gelu(gate, approximate=approximate) * up).to(x.dtype)

@@ -1,0 +1,323 @@
+"""bench library and CLI against a fake engine: workloads, metrics, thresholds, reports, exit codes.
+
+The fake has the LLM API's shape (generate_async -> awaitable / async-iterable handle,
+RequestOutput with RequestMetrics) and a fixed step time, so these tests need no model.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+from enc2dec.bench import metrics, session, thresholds, workloads
+from enc2dec.bench.errors import BenchInputError
+from enc2dec.cli.main import app
+from enc2dec.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from typer.testing import CliRunner
+
+STEP_S = 0.001
+VOCAB = 512
+
+
+class FakeHandle:
+    def __init__(self, llm, prompt, params, streaming):
+        self.llm, self.prompt, self.params, self.streaming = llm, prompt, params, streaming
+        self.arrival = time.monotonic()
+
+    def _out(self, n, times, finished):
+        error = "boom" if finished and self.prompt[0] == 13 else None     # token 13 marks a failing request
+        reason = ("abort" if error else "length") if finished else None
+        return RequestOutput(f"r{id(self)}", None, list(self.prompt),
+                             [CompletionOutput(0, "", [7] * n, reason)], finished,
+                             RequestMetrics(self.arrival, self.arrival, times[0] if times else None,
+                                            times[-1] if finished else None, 0, list(times)), error)
+
+    async def _steps(self):
+        self.llm.in_flight += 1
+        times = []
+        try:
+            for i in range(self.params.max_tokens):
+                await asyncio.sleep(STEP_S)
+                times.append(time.monotonic())
+                yield self._out(i + 1, times, i + 1 == self.params.max_tokens)
+        finally:
+            self.llm.in_flight -= 1
+
+    async def aresult(self):
+        async for out in self._steps():
+            pass
+        return out
+
+    def __await__(self):
+        return self.aresult().__await__()
+
+    def __aiter__(self):
+        return self._steps()
+
+
+class FakePool:
+    def __init__(self, llm, per_request):
+        self.llm, self.per_request = llm, per_request
+
+    @property
+    def num_used_blocks(self):
+        return self.llm.in_flight * self.per_request
+
+
+class FakeLLM:
+    """The LLM API's shape with a fixed step time; records what it was asked."""
+
+    def __init__(self, args=None, model_type="t5"):
+        self.args = args
+        self.in_flight = 0
+        self.tokenizer = None
+        self.prompts = []
+        self.shut_down = False
+        self.engine = SimpleNamespace(
+            hf_config=SimpleNamespace(model_type=model_type, vocab_size=VOCAB),
+            device=SimpleNamespace(type="cpu"), dtype="float32",
+            runner=SimpleNamespace(kv_plan=SimpleNamespace(num_self_blocks=100, num_cross_blocks=50)),
+            scheduler=SimpleNamespace(self_pool=FakePool(self, 2), cross_pool=FakePool(self, 1)))
+
+    def generate_async(self, prompt, params, streaming=False):
+        assert params.ignore_eos and params.temperature == 0
+        if any(not 0 <= t < VOCAB for t in prompt):
+            raise ValueError(f"prompt token ids are outside the vocabulary [0, {VOCAB})")
+        self.prompts.append(list(prompt))
+        return FakeHandle(self, prompt, params, streaming)
+
+    def shutdown(self):
+        self.shut_down = True
+
+
+@pytest.fixture
+def fake_llm(monkeypatch):
+    made = []
+
+    def start(args):
+        made.append(FakeLLM(args))
+        return made[-1]
+
+    monkeypatch.setattr("enc2dec.bench.runner.start_llm", start)
+    return made
+
+
+def bench_cli(*args):
+    return CliRunner().invoke(app, ["bench", "--quiet", *args])
+
+
+BASE = ["--model", "google/flan-t5-small", "--load-format", "dummy"]
+
+
+# ---- workloads -----------------------------------------------------------------------------------
+def test_length_distributions_are_seeded_and_exact_when_fixed():
+    import random
+
+    assert workloads.LengthDist.parse("fixed", 32, "--input-dist").sample(5, random.Random(0)) == [32] * 5
+    normal = workloads.LengthDist.parse("normal:8", 64, "--input-dist")
+    a, b = normal.sample(50, random.Random(3)), normal.sample(50, random.Random(3))
+    assert a == b and len(set(a)) > 5 and min(a) >= 1
+    uni = workloads.LengthDist.parse("uniform:10", 50, "--input-dist").sample(200, random.Random(1))
+    assert 40 <= min(uni) and max(uni) <= 60
+    for bad in ("gauss", "normal:x", "fixed:3", "uniform:-1"):
+        with pytest.raises(BenchInputError, match="--input-dist"):
+            workloads.LengthDist.parse(bad, 32, "--input-dist")
+
+
+def test_synthetic_requests_stay_inside_the_vocabulary():
+    d = workloads.LengthDist.parse("fixed", 20, "x")
+    reqs = workloads.synthetic_requests(10, d, workloads.LengthDist.parse("fixed", 7, "x"), seed=5, vocab_size=VOCAB)
+    assert all(len(r.prompt) == r.input_len == 20 and r.output_len == 7 for r in reqs)
+    assert all(0 < t < VOCAB for r in reqs for t in r.prompt)
+    again = workloads.synthetic_requests(10, d, d, seed=5, vocab_size=VOCAB)
+    assert [r.prompt for r in reqs] == [r.prompt for r in again]
+
+
+def test_jsonl_rows_and_a_bad_row_named_by_line(tmp_path):
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"input_ids": [5, 6, 7], "output_tokens": 4}\n\n{"prompt": "hello", "task_id": 2}\n')
+    reqs = workloads.load_jsonl(str(good), default_output_len=9)
+    assert [(r.input_len, r.output_len, r.is_text) for r in reqs] == [(3, 4, False), (0, 9, True)]
+    for line, message in (('{"input_ids": [], "output_tokens": 3}', "input_ids"),
+                          ('{"input_ids": [1], "output_tokens": 0}', "output_tokens"),
+                          ('{"text": "x"}', "needs 'input_ids'"), ("{not json", "not valid JSON")):
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text('{"input_ids": [1, 2], "output_tokens": 3}\n' + line + "\n")
+        with pytest.raises(BenchInputError, match=rf"bad.jsonl line 2: .*{message}"):
+            workloads.load_jsonl(str(bad), 8)
+    with pytest.raises(BenchInputError, match="cannot read dataset"):
+        workloads.load_jsonl(str(tmp_path / "missing.jsonl"), 8)
+
+
+# ---- metrics and thresholds -----------------------------------------------------------------------
+def test_percentile_matches_linear_interpolation():
+    assert metrics.percentile([1, 2, 3, 4], 50) == 2.5
+    assert metrics.percentile([10], 99) == 10
+    assert metrics.percentile([5, 1, 3], 100) == 5
+
+
+def test_compute_level_definitions():
+    recs = [metrics.RequestRecord(start_s=0.0, end_s=1.0, token_times_s=[0.2, 0.6, 1.0], input_len=10, output_len=3),
+            metrics.RequestRecord(start_s=0.5, end_s=1.5, token_times_s=[0.6, 1.0, 1.5], input_len=10, output_len=3),
+            metrics.RequestRecord(start_s=0.5, end_s=0.7, error="HTTP 500")]
+    lv = metrics.compute_level("enc2dec", 2, recs, duration_s=1.5)
+    assert (lv.completed, lv.failed, lv.output_tokens, lv.input_tokens) == (2, 1, 6, 20)
+    assert lv.out_tok_per_s == pytest.approx(4.0) and lv.total_tok_per_s == pytest.approx(26 / 1.5)
+    assert lv.get("mean_ttft_ms") == pytest.approx(150.0)
+    assert lv.get("mean_tpot_ms") == pytest.approx((400 + 450) / 2)
+    assert lv.get("p50_itl_ms") == pytest.approx(400.0)
+    assert lv.errors == ["HTTP 500"] and lv.rtf is None
+    assert set(lv.to_dict()) >= {"p99_e2e_ms", "mean_itl_ms", "p90_tpot_ms", "req_per_s"}
+
+
+def test_thresholds_parse_check_and_reject():
+    lv = metrics.compute_level("enc2dec", 8, [metrics.RequestRecord(0.0, 1.0, [0.5, 1.0], 4, 2)], 1.0)
+    ok = [thresholds.parse_threshold(t) for t in ("out_tok_per_s=2", "p99_e2e_ms<=1000", "req_per_s@8>0.5")]
+    assert thresholds.check_thresholds(ok, [lv]) == []
+    miss = thresholds.check_thresholds([thresholds.parse_threshold("out_tok_per_s=5000")], [lv])
+    assert len(miss) == 1 and "out_tok_per_s = 2" in miss[0]
+    assert "no level" in thresholds.check_thresholds([thresholds.parse_threshold("rtf@64=1")], [lv])[0]
+    assert "not measured" in thresholds.check_thresholds([thresholds.parse_threshold("rtf=1")], [lv])[0]
+    for bad, msg in (("tokens=5", "unknown metric"), ("out_tok_per_s", "not valid"), ("p99_e2e_ms<=fast", "not valid")):
+        with pytest.raises(BenchInputError, match=msg):
+            thresholds.parse_threshold(bad)
+
+
+# ---- the run, on the fake engine ------------------------------------------------------------------
+def test_run_bench_metrics_are_consistent(fake_llm):
+    opts = session.BenchOptions(model="m", concurrency=(1, 4), num_requests=8, warmup=2, input_len=16, output_len=5)
+    result = session.run_bench(opts)
+    assert result.exit_code == 0 and [lv.concurrency for lv in result.levels] == [1, 4]
+    llm = fake_llm[0]
+    assert llm.shut_down and len(llm.prompts) == 2 * (8 + 2)      # warm-up sent but not measured
+    assert llm.args.kv_cache_config.cross_kv_cache_fraction == 0.5
+    for lv in result.levels:
+        assert lv.num_requests == lv.completed == 8 and lv.output_tokens == 8 * 5 and lv.input_tokens == 8 * 16
+        for name in metrics.LATENCIES:
+            s = lv.latency_ms[name]
+            assert s["p50"] <= s["p90"] <= s["p99"]
+        assert lv.get("p99_ttft_ms") <= lv.get("p99_e2e_ms")
+        assert 0 < lv.kv_self_blocks_peak <= 2 * lv.concurrency and lv.kv_self_blocks_total == 100
+    # four clients finish the same work sooner than one
+    assert result.levels[1].out_tok_per_s > result.levels[0].out_tok_per_s
+
+
+def test_streaming_and_duration(fake_llm):
+    opts = session.BenchOptions(model="m", concurrency=(2,), duration_s=0.2, warmup=0, output_len=4, streaming=True)
+    lv = session.run_bench(opts).levels[0]
+    assert lv.completed >= 4 and lv.output_tokens == 4 * lv.completed
+    assert lv.get("p50_itl_ms") is not None and lv.duration_s >= 0.2
+
+
+def test_closed_loop_keeps_exactly_c_in_flight(fake_llm):
+    from enc2dec.bench.loop import closed_loop
+    from enc2dec.bench.runner import EngineTarget
+
+    llm = FakeLLM()
+    peak = 0
+    target = EngineTarget(llm)
+
+    async def send(req):
+        nonlocal peak
+        peak = max(peak, llm.in_flight + 1)
+        return await target.send(req)
+
+    fixed = workloads.LengthDist("fixed", 4, 0)
+    reqs = workloads.synthetic_requests(3, fixed, fixed, 0, VOCAB)
+    records, _ = asyncio.run(closed_loop(send, reqs, 5, 20, None))
+    assert len(records) == 20 and peak == 5
+
+
+# ---- the CLI ------------------------------------------------------------------------------------
+def test_cli_ok_json_csv_and_schema(fake_llm, tmp_path):
+    out, csv_path = tmp_path / "r.json", tmp_path / "r.csv"
+    r = bench_cli(*BASE, "--concurrency", "1,2", "--num-requests", "4", "--input-len", "8", "--output-len", "3",
+                  "--report-json", str(out), "--csv", str(csv_path), "--fail-under", "out_tok_per_s=1")
+    assert r.exit_code == 0, r.output
+    assert "out tok/s" in r.output
+    rep = json.loads(out.read_text())
+    assert rep["schema"] == "enc2dec.bench/v1" and rep["exit_code"] == 0
+    assert {"command", "versions", "device", "model", "dtype", "workload", "engine_args", "levels", "ratios",
+            "complete", "concurrency", "num_requests"} <= set(rep) and rep["complete"] is True
+    assert rep["command"].startswith("enc2dec ") and set(rep["versions"]) >= {"enc2dec", "torch", "transformers"}
+    assert [lv["concurrency"] for lv in rep["levels"]] == [1, 2]
+    assert all(lv["output_tokens"] == 4 * 3 for lv in rep["levels"])
+    assert csv_path.read_text().splitlines()[0].startswith("backend,concurrency")
+
+
+def test_cli_exit_1_on_missed_threshold_and_failed_request(fake_llm, tmp_path):
+    r = bench_cli(*BASE, "--concurrency", "1", "--num-requests", "2", "--output-len", "2",
+                  "--fail-under", "out_tok_per_s=1e9")
+    assert r.exit_code == 1 and "FAIL-UNDER" in r.output
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"input_ids": [13, 5], "output_tokens": 2}\n{"input_ids": [4, 5], "output_tokens": 2}\n')
+    r = bench_cli(*BASE, "--concurrency", "1", "--num-requests", "2", "--warmup", "0", "--dataset", str(data))
+    assert r.exit_code == 1 and "FAILED" in r.output and "boom" in r.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--concurrency", "1,x"], "--concurrency"),
+    (["--concurrency", "0"], "--concurrency"),
+    (["--fail-under", "speed=3"], "unknown metric"),
+    (["--baseline", "vllm"], "--baseline"),
+    (["--input-dist", "zipf"], "--input-dist"),
+    (["--num-requests", "0"], "--num-requests"),
+    (["--audio-seconds", "10", "--dataset", "x.jsonl"], "one workload source|--audio-seconds"),
+])
+def test_cli_usage_errors_exit_2(fake_llm, args, message):
+    r = bench_cli(*BASE, *args)
+    assert r.exit_code == 2, r.output
+    assert "error:" in r.output and __import__("re").search(message, r.output) and "Traceback" not in r.output
+
+
+def test_cli_bad_dataset_row_and_out_of_vocab_ids_exit_2(fake_llm, tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"input_ids": [1, 2], "output_tokens": 2}\n{"input_ids": "abc", "output_tokens": 2}\n')
+    r = bench_cli(*BASE, "--concurrency", "1", "--dataset", str(data))
+    assert r.exit_code == 2 and "d.jsonl line 2" in r.output
+    data.write_text('{"input_ids": [1, 99999], "output_tokens": 2}\n')
+    r = bench_cli(*BASE, "--concurrency", "1", "--num-requests", "1", "--dataset", str(data))
+    assert r.exit_code == 2 and "d.jsonl line 1" in r.output and "vocabulary" in r.output
+
+
+def test_cli_text_prompts_need_a_tokenizer(fake_llm, tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "summarize: hi", "output_tokens": 2}\n')
+    r = bench_cli(*BASE, "--concurrency", "1", "--dataset", str(data))
+    assert r.exit_code == 2 and "tokenizer" in r.output
+
+
+def test_cli_plot_and_missing_matplotlib(fake_llm, tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "p.png"
+    r = bench_cli(*BASE, "--concurrency", "1,2", "--num-requests", "2", "--output-len", "2", "--plot", str(png))
+    assert r.exit_code == 0, r.output
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    r = bench_cli(*BASE, "--concurrency", "1", "--plot", str(png))
+    assert r.exit_code == 2 and "matplotlib" in r.output and not fake_llm[1:]   # failed before starting
+
+
+def test_engine_config_yaml_and_errors(fake_llm, tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("max_batch_size: 4\nkv_cache_config:\n  cross_kv_cache_fraction: 0.3\n")
+    r = bench_cli(*BASE, "--config", str(cfg), "--concurrency", "1", "--num-requests", "1", "--output-len", "2",
+                  "--free-gpu-memory-fraction", "0.7")
+    assert r.exit_code == 0, r.output
+    args = fake_llm[-1].args
+    assert args.max_batch_size == 4 and args.kv_cache_config.cross_kv_cache_fraction == 0.3
+    assert args.kv_cache_config.free_gpu_memory_fraction == 0.7
+    cfg.write_text("max_batch_sise: 4\n")
+    r = bench_cli(*BASE, "--config", str(cfg), "--concurrency", "1")
+    assert r.exit_code == 2 and "max_batch_sise" in r.output and "max_batch_size" in r.output
+
+
+def test_help_does_not_import_torch():
+    code = ("import sys; from typer.testing import CliRunner; from enc2dec.cli.main import app; "
+            "r = CliRunner().invoke(app, ['bench', '--help']); assert r.exit_code == 0, r.output; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)

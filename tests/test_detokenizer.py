@@ -1,0 +1,43 @@
+"""Incremental text equals the full decode; stop strings cut the text where they match."""
+import pytest
+from transformers import ByT5Tokenizer
+
+from enc2dec.engine.detokenizer import IncrementalDetokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return ByT5Tokenizer()
+
+
+def _stream(detok, ids):
+    pieces = [detok.update(ids[:i]) for i in range(1, len(ids) + 1)]
+    pieces.append(detok.finish(ids))
+    return pieces
+
+
+def test_streamed_pieces_join_to_the_full_text_with_multibyte_chars(tok):
+    text = "Grüße aus Köln, 日本語 and more text after the window"
+    ids = tok.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok)
+    pieces = _stream(detok, ids)
+    assert "".join(pieces) == text
+    assert detok.text == text
+    assert all("\ufffd" not in p for p in pieces)       # never a half character
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_truncates(tok, include):
+    text = "alpha beta STOP gamma"
+    ids = tok.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, stop=["STOP"], include_stop_str_in_output=include)
+    pieces = _stream(detok, ids)
+    assert detok.stop_matched == "STOP"
+    expected = "alpha beta STOP" if include else "alpha beta "
+    assert detok.text == expected
+    assert "".join(pieces) == expected
+
+
+def test_no_tokenizer_gives_empty_text():
+    detok = IncrementalDetokenizer(None)
+    assert detok.update([1, 2, 3]) == "" and detok.finish([1, 2, 3]) == "" and detok.text == ""

@@ -1,0 +1,279 @@
+"""Each Triton kernel against its torch reference, and the triton backend against the torch one.
+
+Without CUDA the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set below
+before anything imports triton); with CUDA the same cases run compiled on the GPU
+(``test_kernels_gpu.py`` adds bf16 and larger shapes there). Every output buffer a kernel
+writes, including split-K partials, starts as NaN, so an unwritten element fails.
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from enc2dec import kernels  # noqa: E402
+from enc2dec.engine.attention import DecoderMetadata, EncoderMetadata, TorchAttentionBackend  # noqa: E402
+from enc2dec.kernels import reference as ref  # noqa: E402
+from enc2dec.kernels.activations import gated_gelu, gelu  # noqa: E402
+from enc2dec.kernels.backend import TritonAttentionBackend  # noqa: E402
+from enc2dec.kernels.kv_store import store_kv  # noqa: E402
+from enc2dec.kernels.norms import fused_add_layer_norm, fused_add_rms_norm  # noqa: E402
+from enc2dec.kernels.paged_attention import paged_attention  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# fp32 math in kernel and reference; only summation order differs.
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3),
+       torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+@pytest.fixture(autouse=True)
+def poison_allocations(monkeypatch):
+    """torch.empty / empty_like hand out NaN-filled floats, so unwritten outputs show."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poison(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(empty_like(*a, **k)))
+
+
+def assert_close(actual, expected, dtype):
+    assert torch.isfinite(actual).all(), "output has unwritten (NaN) elements"
+    torch.testing.assert_close(actual.float(), expected.float(), **TOL[dtype])
+
+
+def make_paged_case(kv_lens, q_lens, num_heads, head_dim, *, tokens_per_block=16, dtype=torch.float32,
+                    device=DEVICE, seed=0, pad_tokens=0):
+    """Random cache, shuffled non-contiguous block tables (one spare column), packed q."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // tokens_per_block) for n in kv_lens]
+    width = max(blocks_per_seq) + 1
+    num_blocks = sum(blocks_per_seq) + 5
+    perm = torch.randperm(num_blocks, generator=g)[: sum(blocks_per_seq)]
+    tables = torch.zeros(len(kv_lens), width, dtype=torch.int32)
+    start = 0
+    for i, n in enumerate(blocks_per_seq):
+        tables[i, :n] = perm[start:start + n]
+        start += n
+    shape = (num_blocks, tokens_per_block, num_heads, head_dim)
+    k_cache, v_cache = (torch.randn(shape, generator=g).to(dtype) for _ in range(2))
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(sum(q_lens) + pad_tokens, num_heads, head_dim, generator=g).to(dtype)
+    bias = torch.randn(num_heads, max(kv_lens) + 8, generator=g)
+    to = dict(device=device)
+    return dict(q=q.to(**to), k_cache=k_cache.to(**to), v_cache=v_cache.to(**to), query_start_loc=qsl.to(**to),
+                kv_lens=torch.tensor(kv_lens, dtype=torch.int32, device=device), block_tables=tables.to(**to),
+                bias=bias.to(**to))
+
+
+def check_paged(case, *, causal, use_bias, num_splits, scale=0.125, dtype=torch.float32):
+    args = [case[k] for k in ("q", "k_cache", "v_cache", "query_start_loc", "kv_lens", "block_tables")]
+    bias = case["bias"] if use_bias else None
+    out = torch.full_like(case["q"], float("nan"))
+    got = paged_attention(*args, scale, causal=causal, bias_table=bias, out=out, num_splits=num_splits)
+    assert got is out
+    expected = ref.paged_attention_ref(*args, scale, causal=causal, bias_table=bias)
+    assert_close(out, expected, dtype)
+    return out
+
+
+PAGED_CASES = [  # kv_lens, q_lens, heads, head_dim, tokens_per_block, splits, causal, bias
+    ([1], [1], 2, 64, 16, 1, True, False),
+    ([17, 33, 5], [1, 1, 1], 2, 64, 16, 1, True, True),
+    ([1, 16, 31, 47, 2, 64, 9], [1, 3, 1, 4, 2, 1, 1], 2, 128, 16, 4, True, True),
+    ([40, 21], [40, 3], 1, 64, 32, 2, True, True),                         # recompute after preemption
+    ([23, 50, 7], [1, 2, 1], 2, 64, 16, 2, False, False),                  # cross attention
+    ([100, 37], [2, 1], 1, 80, 64, None, True, True),                      # odd head_dim, auto splits
+    ([70, 9, 130], [1, 1, 2], 1, 256, 16, 3, False, False),
+    ([33, 5], [1, 1], 3, 16, 16, 16, True, True),                          # more splits than tiles
+]
+
+
+@pytest.mark.parametrize("kv_lens,q_lens,heads,head_dim,tpb,splits,causal,bias", PAGED_CASES)
+def test_paged_attention_matches_reference(kv_lens, q_lens, heads, head_dim, tpb, splits, causal, bias):
+    case = make_paged_case(kv_lens, q_lens, heads, head_dim, tokens_per_block=tpb, seed=len(kv_lens) + head_dim)
+    check_paged(case, causal=causal, use_bias=bias, num_splits=splits, scale=1.0 if bias else head_dim ** -0.5)
+
+
+@pytest.mark.parametrize("splits", [1, 8])
+def test_paged_attention_whisper_length_cross(splits):
+    case = make_paged_case([1500, 1500], [1, 4], 1, 64, seed=splits)
+    check_paged(case, causal=False, use_bias=False, num_splits=splits)
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_paged_attention_padding_tokens_get_zeros(splits):
+    case = make_paged_case([12, 30], [1, 2], 2, 64, seed=3, pad_tokens=2)
+    out = check_paged(case, causal=True, use_bias=True, num_splits=splits)
+    assert (out[3:] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_paged_attention_half_precision(dtype):
+    case = make_paged_case([29, 64, 3], [1, 2, 1], 2, 64, dtype=dtype, seed=11)
+    check_paged(case, causal=True, use_bias=True, num_splits=2, scale=1.0, dtype=dtype)
+
+
+def test_reference_matches_torch_backend():
+    """The vectorised reference agrees with engine/attention.py's per-sequence loop."""
+    case = make_paged_case([9, 40, 17], [1, 3, 2], 2, 64, seed=5)
+    meta = decoder_meta(case, [1, 3, 2], [9, 40, 17])
+    for causal, bias in ((True, case["bias"]), (False, None)):
+        args = [case[k] for k in ("q", "k_cache", "v_cache", "query_start_loc", "kv_lens", "block_tables")]
+        got = ref.paged_attention_ref(*args, 1.0, causal=causal, bias_table=bias)
+        torch_backend = TorchAttentionBackend()
+        if causal:
+            expected = torch_backend.self_attention(case["q"], case["k_cache"], case["v_cache"], meta, 1.0, bias)
+        else:
+            expected = torch_backend.cross_attention(case["q"], case["k_cache"], case["v_cache"], meta, 1.0)
+        assert_close(got, expected, torch.float32)
+
+
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16)])
+def test_store_kv_matches_reference_and_skips_padding(dtype, cache_dtype):
+    g = torch.Generator().manual_seed(7)
+    num_tokens, heads, head_dim, tpb, num_blocks = 9, 3, 64, 16, 6
+    qkv = torch.randn(num_tokens, 3, heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    k, v = qkv[:, 1], qkv[:, 2]                                             # strided views
+    slots = torch.randperm(num_blocks * tpb, generator=g)[:num_tokens]
+    slots[[2, 5]] = -1                                                      # padded tokens
+    slots = slots.to(DEVICE)
+    shape = (num_blocks, tpb, heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=cache_dtype, device=DEVICE)
+    v_cache = torch.full(shape, float("nan"), dtype=cache_dtype, device=DEVICE)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    store_kv(k, v, k_cache, v_cache, slots)
+    ref.store_kv_ref(k, v, k_ref, v_ref, slots)
+    # A plain copy is exact, except that the CPU interpreter's fp32->bf16 rounding is off by
+    # up to one bf16 ulp (2**-8 relative) from torch's round-to-nearest-even.
+    exact = dtype == cache_dtype or DEVICE == "cuda"
+    tol = dict(atol=0, rtol=0) if exact else dict(atol=0, rtol=2 ** -7)
+    torch.testing.assert_close(k_cache, k_ref, equal_nan=True, **tol)
+    torch.testing.assert_close(v_cache, v_ref, equal_nan=True, **tol)
+    assert torch.isnan(k_cache).flatten(0, 1).all(-1).all(-1).sum() == num_blocks * tpb - (num_tokens - 2)
+
+
+NORM_SHAPES = [(1, 64), (7, 130), (3, 5, 96)]
+
+
+@pytest.mark.parametrize("shape", NORM_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_norms_match_reference(shape, dtype, with_residual):
+    g = torch.Generator().manual_seed(sum(shape))
+    x, residual = (torch.randn(shape, generator=g).to(dtype).to(DEVICE) for _ in range(2))
+    residual = residual if with_residual else None
+    weight = (1 + 0.1 * torch.randn(shape[-1], generator=g)).to(dtype).to(DEVICE)
+    bias = (0.1 * torch.randn(shape[-1], generator=g)).to(dtype).to(DEVICE)
+    for fn, fn_ref, extra in ((fused_add_rms_norm, ref.fused_add_rms_norm_ref, ()),
+                              (fused_add_layer_norm, ref.fused_add_layer_norm_ref, (bias,))):
+        normed, new_res = fn(x, residual, weight, *extra, 1e-6)
+        normed_ref, new_res_ref = fn_ref(x, residual, weight, *extra, 1e-6)
+        assert normed.shape == x.shape and normed.dtype == x.dtype
+        assert_close(normed, normed_ref, dtype)
+        assert_close(new_res, new_res_ref, dtype)
+
+
+@pytest.mark.parametrize("shape", [(1, 8), (5, 74), (2, 3, 2200)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activations_match_reference(shape, dtype):
+    g = torch.Generator().manual_seed(sum(shape))
+    x = (4 * torch.randn(shape, generator=g)).to(dtype).to(DEVICE)
+    x[..., 0] = 30.0                                                        # tanh saturation
+    for approximate in ("none", "tanh"):
+        assert_close(gelu(x, approximate), ref.gelu_ref(x, approximate), dtype)
+        got = gated_gelu(x, approximate)
+        assert got.shape == (*shape[:-1], shape[-1] // 2)
+        assert_close(got, ref.gated_gelu_ref(x, approximate), dtype)
+
+
+def test_gelu_rejects_unknown_approximation():
+    with pytest.raises(ValueError, match="approximate='fast'.*none, tanh"):
+        gelu(torch.randn(2, 4, device=DEVICE), "fast")
+
+
+def decoder_meta(case, q_lens, kv_lens, enc_case=None):
+    cross = enc_case or case
+    qsl = case["query_start_loc"]
+    last = (qsl[1:] - 1).long()
+    return DecoderMetadata(
+        query_start_loc=qsl, seq_lens=case["kv_lens"], block_tables=case["block_tables"],
+        slot_mapping=torch.zeros(0, dtype=torch.int64), cross_block_tables=cross["block_tables"],
+        enc_lens=cross["kv_lens"], query_lens_host=list(q_lens), seq_lens_host=list(kv_lens),
+        enc_lens_host=cross["kv_lens"].tolist(), last_token_indices=last)
+
+
+def check_backend_decode(case, enc_case, q_lens, kv_lens, dtype, tol_dtype=None):
+    """store_kv + self_attention + cross_attention through both backends."""
+    tol_dtype = tol_dtype or dtype
+    meta = decoder_meta(case, q_lens, kv_lens, enc_case)
+    tpb = case["k_cache"].shape[1]
+    slots = []
+    for i, (qn, n) in enumerate(zip(q_lens, kv_lens)):                      # the new tokens' slots
+        for p in range(n - qn, n):
+            slots.append(int(case["block_tables"][i, p // tpb]) * tpb + p % tpb)
+    slots = torch.tensor(slots, dtype=torch.int64, device=case["q"].device)
+    qkv = torch.stack([case["q"], torch.randn_like(case["q"]), torch.randn_like(case["q"])], dim=1)
+    q, new_k, new_v = qkv.unbind(1)                      # strided [N, H, D] views, as the models pass them
+    results = []
+    for backend in (TritonAttentionBackend(), TorchAttentionBackend()):
+        k_cache, v_cache = case["k_cache"].clone(), case["v_cache"].clone()
+        backend.store_kv(new_k, new_v, k_cache, v_cache, slots)
+        self_out = backend.self_attention(q, k_cache, v_cache, meta, 1.0, case["bias"])
+        cross_out = backend.cross_attention(q, enc_case["k_cache"], enc_case["v_cache"], meta, 0.125)
+        results.append((k_cache, self_out, cross_out))
+    (k_tri, self_tri, cross_tri), (k_torch, self_torch, cross_torch) = results
+    torch.testing.assert_close(k_tri, k_torch, atol=0, rtol=0)
+    assert_close(self_tri, self_torch, tol_dtype)
+    assert_close(cross_tri, cross_torch, tol_dtype)
+
+
+def test_backend_decode_matches_torch_backend():
+    q_lens, kv_lens = [1, 2, 1], [13, 20, 1]
+    case = make_paged_case(kv_lens, q_lens, 2, 64, seed=21)
+    enc_case = make_paged_case([30, 45, 8], q_lens, 2, 64, seed=22)
+    check_backend_decode(case, enc_case, q_lens, kv_lens, torch.float32)
+
+
+def encoder_meta(seq_lens, device=DEVICE):
+    cu = torch.tensor([0] + torch.tensor(seq_lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    return EncoderMetadata(cu_seqlens=cu, seq_lens=list(seq_lens), positions=None,
+                           cross_slot_mapping=torch.zeros(0, dtype=torch.int64, device=device))
+
+
+@pytest.mark.parametrize("seq_lens", [[5, 9, 3], [6, 6], [1]])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_backend_encoder_attention_matches_torch_backend(seq_lens, with_bias):
+    g = torch.Generator().manual_seed(len(seq_lens))
+    q, k, v = (torch.randn(sum(seq_lens), 2, 64, generator=g).to(DEVICE) for _ in range(3))
+    bias = torch.randn(2, 2 * 16 - 1, generator=g).to(DEVICE) if with_bias else None
+    meta = encoder_meta(seq_lens)
+    got = TritonAttentionBackend().encoder_attention(q, k, v, meta, 1.0, bias)
+    expected = TorchAttentionBackend().encoder_attention(q, k, v, meta, 1.0, bias)
+    assert_close(got, expected, torch.float32)
+
+
+def test_fallback_without_triton_uses_reference(monkeypatch):
+    monkeypatch.setattr(kernels, "triton_available", lambda: False)
+    case = make_paged_case([20, 3], [1, 1], 2, 64, seed=1)
+    args = [case[k] for k in ("q", "k_cache", "v_cache", "query_start_loc", "kv_lens", "block_tables")]
+    got = paged_attention(*args, 1.0, causal=True, bias_table=case["bias"])
+    assert_close(got, ref.paged_attention_ref(*args, 1.0, causal=True, bias_table=case["bias"]), torch.float32)
+    x = torch.randn(3, 32, device=DEVICE)
+    assert_close(gated_gelu(x), ref.gated_gelu_ref(x), torch.float32)
+
+
+def test_package_imports_without_triton():
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "import enc2dec.kernels as k, enc2dec.kernels.backend\n"
+            "assert not k.triton_available() and k.TritonAttentionBackend.name == 'triton'\n")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,114 @@
+"""The kernel comparisons of ``test_kernels.py`` on CUDA, compiled, at serving shapes, in
+fp32 and bf16; the decoder path is also run under ``set_sync_debug_mode("error")`` to
+prove it free of host syncs. Run on the GPU machine: ``pytest -m gpu``."""
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytest.importorskip("triton")
+
+from test_kernels import (  # noqa: E402  (tests/ is on sys.path under pytest's default import mode)
+    TOL, assert_close, check_backend_decode, check_paged, decoder_meta, encoder_meta, make_paged_case,
+    poison_allocations,  # noqa: F401  (the autouse NaN-poisoning fixture)
+)
+
+from enc2dec.engine.attention import TorchAttentionBackend  # noqa: E402
+from enc2dec.kernels import reference as ref  # noqa: E402
+from enc2dec.kernels.activations import gated_gelu, gelu  # noqa: E402
+from enc2dec.kernels.backend import TritonAttentionBackend  # noqa: E402
+from enc2dec.kernels.kv_store import store_kv  # noqa: E402
+from enc2dec.kernels.norms import fused_add_layer_norm, fused_add_rms_norm  # noqa: E402
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def lengths(n, low, high, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(low, high + 1, (n,), generator=g).tolist()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name,num_seqs,max_len,heads,head_dim,tpb,causal", [
+    ("t5-large self, c=64", 64, 256, 16, 64, 16, True),
+    ("whisper cross, c=32", 32, 1500, 20, 64, 16, False),
+    ("whisper cross, c=2 (split-K)", 2, 1500, 20, 64, 64, False),
+    ("hd128 self, 32 heads", 16, 512, 32, 128, 32, True),
+])
+@pytest.mark.parametrize("splits", [None, 4])
+def test_paged_attention_cuda(dtype, name, num_seqs, max_len, heads, head_dim, tpb, causal, splits):
+    kv_lens = [max_len] * num_seqs if not causal else lengths(num_seqs, 1, max_len, seed=num_seqs)
+    q_lens = [1] * num_seqs
+    if causal:                                                   # a few first steps / recomputes
+        q_lens[0], q_lens[-1] = min(4, kv_lens[0]), kv_lens[-1]
+    case = make_paged_case(kv_lens, q_lens, heads, head_dim, tokens_per_block=tpb, dtype=dtype,
+                           device="cuda", seed=heads)
+    check_paged(case, causal=causal, use_bias=causal, num_splits=splits, scale=1.0 if causal else 0.125,
+                dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv_cuda(dtype):
+    n, heads, head_dim, tpb, blocks = 4096, 16, 64, 16, 512
+    kv = torch.randn(n, 2, heads, head_dim, device="cuda", dtype=dtype)
+    slots = torch.randperm(blocks * tpb, device="cuda")[:n]
+    slots[::7] = -1
+    caches = [torch.full((blocks, tpb, heads, head_dim), float("nan"), device="cuda", dtype=dtype) for _ in range(4)]
+    store_kv(kv[:, 0], kv[:, 1], caches[0], caches[1], slots)
+    ref.store_kv_ref(kv[:, 0], kv[:, 1], caches[2], caches[3], slots)
+    torch.testing.assert_close(caches[0], caches[2], equal_nan=True, atol=0, rtol=0)
+    torch.testing.assert_close(caches[1], caches[3], equal_nan=True, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(512, 1024), (3, 4096), (2, 7, 1280)])
+def test_norms_and_activations_cuda(dtype, shape):
+    x, residual = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(2))
+    weight = 1 + 0.1 * torch.randn(shape[-1], device="cuda", dtype=dtype)
+    bias = 0.1 * torch.randn(shape[-1], device="cuda", dtype=dtype)
+    for got, expected in ((fused_add_rms_norm(x, residual, weight, 1e-6), ref.fused_add_rms_norm_ref(x, residual, weight, 1e-6)),
+                          (fused_add_layer_norm(x, residual, weight, bias, 1e-5),
+                           ref.fused_add_layer_norm_ref(x, residual, weight, bias, 1e-5))):
+        assert_close(got[0], expected[0], dtype)
+        assert_close(got[1], expected[1], dtype)
+    for approximate in ("none", "tanh"):
+        assert_close(gelu(x, approximate), ref.gelu_ref(x, approximate), dtype)
+        assert_close(gated_gelu(x, approximate), ref.gated_gelu_ref(x, approximate), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backend_matches_torch_backend_without_host_syncs(dtype, monkeypatch):
+    num_seqs = 24
+    q_lens = [1] * (num_seqs - 2) + [3, 40]
+    kv_lens = [max(q, n) for q, n in zip(q_lens, lengths(num_seqs, 1, 200, seed=1))]
+    case = make_paged_case(kv_lens, q_lens, 8, 64, dtype=dtype, device="cuda", seed=3)
+    enc_case = make_paged_case(lengths(num_seqs, 1, 1500, seed=2), q_lens, 8, 64, dtype=dtype, device="cuda", seed=4)
+    # sdpa in bf16 rounds its probabilities to bf16; the kernel keeps them fp32.
+    tol = dict(atol=5e-2, rtol=5e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+    monkeypatch.setitem(TOL, dtype, tol)
+    check_backend_decode(case, enc_case, q_lens, kv_lens, dtype)
+
+    meta_enc = encoder_meta([37, 128, 5], device="cuda")
+    q, k, v = (torch.randn(170, 8, 64, device="cuda", dtype=dtype) for _ in range(3))
+    bias = torch.randn(8, 2 * 128 - 1, device="cuda")
+    expected = TorchAttentionBackend().encoder_attention(q, k, v, meta_enc, 1.0, bias)
+    backend = TritonAttentionBackend()
+    meta = decoder_meta(case, q_lens, kv_lens, enc_case)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = backend.encoder_attention(q, k, v, meta_enc, 1.0, bias)
+        backend.self_attention(case["q"], case["k_cache"], case["v_cache"], meta, 1.0, case["bias"])
+        backend.cross_attention(case["q"], enc_case["k_cache"], enc_case["v_cache"], meta, 0.125)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert_close(got, expected, dtype)
+
+
+def test_smoke_one_decode_step():
+    case = make_paged_case([5], [1], 4, 64, device="cuda", dtype=torch.bfloat16)
+    meta = decoder_meta(case, [1], [5])
+    backend = TritonAttentionBackend()
+    out = backend.self_attention(case["q"], case["k_cache"], case["v_cache"], meta, 1.0, case["bias"])
+    out = out + backend.cross_attention(case["q"], case["k_cache"], case["v_cache"], meta, 0.125)
+    torch.cuda.synchronize()
+    assert out.shape == case["q"].shape and torch.isfinite(out).all()
