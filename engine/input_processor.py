@@ -76,6 +76,9 @@ class InputProcessor:
             getattr(hf_config, "max_position_embeddings", None) if hf_config.model_type in ("bart", "mbart")
             else None)
         self.max_decoder_positions = pos
+        # BART/mBART learn a position table for the encoder too; a longer prompt cannot be encoded.
+        self.max_encoder_positions = getattr(hf_config, "max_position_embeddings", None) \
+            if hf_config.model_type in ("bart", "mbart") else None
         self.suppress_token_ids = tuple(getattr(g, "suppress_tokens", None) or ()) if self.is_whisper else ()
         self.begin_suppress_token_ids = tuple(getattr(g, "begin_suppress_tokens", None) or ()) \
             if self.is_whisper else ()
@@ -142,6 +145,9 @@ class InputProcessor:
         if len(ids) > self.max_input_len:
             raise ValueError(f"the prompt has {len(ids)} tokens, more than max_input_len={self.max_input_len}; "
                              "shorten it or raise max_input_len")
+        if self.max_encoder_positions is not None and len(ids) > self.max_encoder_positions:
+            raise ValueError(f"the prompt has {len(ids)} tokens, more than this model's encoder position "
+                             f"table ({self.max_encoder_positions} positions); shorten it")
         prefix, hidden = self._text_prefix()
         if self.forced_bos_token_id is not None and max_tokens < 2:
             raise ValueError(f"max_tokens={max_tokens} is too small: this checkpoint forces a BOS token "

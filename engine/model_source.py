@@ -5,6 +5,7 @@ or, with ``load_format="dummy"``, the name of a well-known model in our config t
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -27,9 +28,18 @@ def _generation_config(path, hf_config):
 
     if path is not None:
         try:
-            return GenerationConfig.from_pretrained(path)
+            gen = GenerationConfig.from_pretrained(path)
         except (OSError, ValueError):
-            pass
+            return GenerationConfig.from_model_config(hf_config)
+        # transformers 5 drops Whisper's keys (is_multilingual, lang_to_id, ...) from the
+        # object; the decoder prefix rules need them, so restore them from the file.
+        raw_path = os.path.join(path, "generation_config.json")
+        if os.path.exists(raw_path):
+            with open(raw_path) as f:
+                for key, value in json.load(f).items():
+                    if not hasattr(gen, key):
+                        setattr(gen, key, value)
+        return gen
     return GenerationConfig.from_model_config(hf_config)
 
 

@@ -30,7 +30,8 @@ except ImportError:  # the kernels below are only decorated and run when triton 
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 16
-_MIN_KEYS_PER_SPLIT = 128
+_MIN_KEYS_PER_SPLIT = 32
+_PROGRAMS_PER_SM = 16
 
 
 @lazy_jit
@@ -156,17 +157,23 @@ def _num_sms(device: torch.device) -> int:
 
 
 def launch_config(block_d: int) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of the attention kernel for a padded head_dim."""
-    return max(16, min(128, 4096 // block_d)), 4, 2
+    """(BLOCK_N, num_warps, num_stages) of the attention kernel for a padded head_dim.
+
+    Small one-warp programs (a 1024-element K tile) keep the most loads in flight: on an
+    H200 (bf16, 2026-11-30) they read Whisper cross K/V at c=64 at 4.1 TB/s against 1.7 TB/s
+    for 4-warp 64x64 tiles; num_stages made no difference (the loop has no tl.dot).
+    """
+    return max(8, min(128, 1024 // block_d)), 1, 2
 
 
 def pick_num_splits(num_tokens: int, num_heads: int, max_kv_len: int, device: torch.device) -> int:
-    """Split-K only when (tokens x heads) programs leave SMs idle and the keys are long.
+    """Split-K until there are about ``_PROGRAMS_PER_SM`` programs per SM (or the keys run out).
 
     Host-side: ``max_kv_len`` comes from the metadata's host lists. A power of two, so few
-    kernel variants get compiled.
+    kernel variants get compiled. Measured best on an H200: T5-large self c=64 (1024
+    token-heads, 256 keys) 4 splits; Whisper cross c=64 (1280, 1500 keys) 2; c=8 16.
     """
-    want = math.ceil(2 * _num_sms(device) / max(1, num_tokens * num_heads))
+    want = math.ceil(_PROGRAMS_PER_SM * _num_sms(device) / max(1, num_tokens * num_heads))
     by_len = math.ceil(max_kv_len / _MIN_KEYS_PER_SPLIT)
     splits = max(1, min(want, by_len, _MAX_SPLITS))
     return 1 << (splits - 1).bit_length() if splits & (splits - 1) else splits
@@ -228,7 +235,7 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, kv_lens, block_tables,
         _merge_splits_kernel[(num_tokens, num_heads)](
             part, m, l, out, part.stride(0), part.stride(1), part.stride(2), out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-            BLOCK_S=triton_next_pow2(num_splits), num_warps=4,
+            BLOCK_S=triton_next_pow2(num_splits), num_warps=1,
         )
     return out
 

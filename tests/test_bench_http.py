@@ -63,6 +63,7 @@ class _Stub(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def stub_url():
+    pytest.importorskip("httpx")
     _Stub.seen = []
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Stub)
     server.daemon_threads = True
@@ -111,6 +112,7 @@ def test_url_audio(stub_url):
 
 
 def test_unreachable_url_exit_2():
+    pytest.importorskip("httpx")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

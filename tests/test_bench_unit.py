@@ -316,6 +316,43 @@ def test_engine_config_yaml_and_errors(fake_llm, tmp_path):
     assert r.exit_code == 2 and "max_batch_sise" in r.output and "max_batch_size" in r.output
 
 
+def test_num_requests_per_level(fake_llm):
+    r = bench_cli(*BASE, "--concurrency", "1,2", "--num-requests", "3,5", "--output-len", "2", "--warmup", "0")
+    assert r.exit_code == 0, r.output
+    assert len(fake_llm[0].prompts) == 3 + 5
+    r = bench_cli(*BASE, "--concurrency", "1,2,4", "--num-requests", "3,5")
+    assert r.exit_code == 2 and "one per level" in r.output
+
+
+def test_partial_report_survives_a_crash(fake_llm, tmp_path, monkeypatch):
+    def boom(self, *args):
+        raise RuntimeError("baseline exploded")
+
+    monkeypatch.setattr(session._Run, "_run_baselines", boom)
+    out = tmp_path / "r.json"
+    r = bench_cli(*BASE, "--concurrency", "1,2", "--num-requests", "2", "--output-len", "2", "--report-json", str(out))
+    assert r.exit_code == 1 and "bench failed: RuntimeError: baseline exploded" in r.output
+    assert "Traceback" not in r.output
+    rep = json.loads(out.read_text())
+    assert rep["complete"] is False and [lv["concurrency"] for lv in rep["levels"]] == [1, 2]
+
+
+def test_hf_dataset_fields(fake_llm, tmp_path):
+    datasets = pytest.importorskip("datasets")
+    path = tmp_path / "ds"
+    datasets.Dataset.from_dict({"q": [[5, 6, 7], [8, 9]], "n": [3, 4]}).save_to_disk(str(path))
+    out = tmp_path / "r.json"
+    r = bench_cli(*BASE, "--concurrency", "1", "--num-requests", "2", "--warmup", "0", "--hf-dataset", str(path),
+                  "--hf-prompt-field", "q", "--hf-output-len-field", "n", "--report-json", str(out))
+    assert r.exit_code == 0, r.output
+    lv = json.loads(out.read_text())["levels"][0]
+    assert (lv["input_tokens"], lv["output_tokens"]) == (5, 7)
+    r = bench_cli(*BASE, "--concurrency", "1", "--hf-dataset", str(path), "--hf-prompt-field", "question")
+    assert r.exit_code == 2 and "'question' is not a column" in r.output and "q, n" in r.output.replace("n, q", "q, n")
+    r = bench_cli(*BASE, "--concurrency", "1", "--hf-dataset", str(tmp_path / "nope"))
+    assert r.exit_code == 2 and "cannot load Hugging Face dataset" in r.output
+
+
 def test_help_does_not_import_torch():
     code = ("import sys; from typer.testing import CliRunner; from enc2dec.cli.main import app; "
             "r = CliRunner().invoke(app, ['bench', '--help']); assert r.exit_code == 0, r.output; "

@@ -176,7 +176,7 @@ def build_bart(folder: str) -> str:
     tok = bart_tokenizer()
     cfg = BartConfig(vocab_size=len(tok), d_model=32, encoder_layers=2, decoder_layers=2,
                      encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
-                     max_position_embeddings=64, bos_token_id=0, pad_token_id=1, eos_token_id=2,
+                     max_position_embeddings=128, bos_token_id=0, pad_token_id=1, eos_token_id=2,
                      decoder_start_token_id=2, forced_eos_token_id=2)
     model = BartForConditionalGeneration(cfg).eval()
     _randomize(model, 4)
@@ -192,7 +192,7 @@ def build_mbart(folder: str) -> str:
     en_xx = tok.convert_tokens_to_ids("en_XX")
     cfg = MBartConfig(vocab_size=len(tok), d_model=32, encoder_layers=2, decoder_layers=2,
                       encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
-                      max_position_embeddings=64, activation_function="relu", scale_embedding=True,
+                      max_position_embeddings=128, activation_function="relu", scale_embedding=True,
                       bos_token_id=0, pad_token_id=1, eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=2)
     model = MBartForConditionalGeneration(cfg).eval()
     _randomize(model, 5)
