@@ -184,6 +184,10 @@ def _run(o: dict) -> int:
     from enc2dec.bench.session import run_bench
 
     opts = _options(o)
+    for c in opts.concurrency:
+        n = opts.level_num_requests(c)
+        if n is not None and n < c:
+            typer.echo(f"warning: C={c} with {n} requests: at most {n} are ever in flight", err=True)
     if o["plot"]:
         report.check_plot_available()
     primary = "http" if opts.url else "enc2dec"

@@ -27,7 +27,9 @@ _LAZY = {
     "TritonAttentionBackend": "backend",
 }
 
-__all__ = ["triton_available", "can_use_triton", "lazy_jit", *_LAZY]
+__all__ = [  # noqa: PLE0604  (names of the lazily imported ops)
+    "triton_available", "can_use_triton", "lazy_jit", *_LAZY.keys(),
+]
 
 
 @functools.cache
@@ -35,7 +37,7 @@ def triton_available() -> bool:
     """True when the ``triton`` package can be imported (it need not have a GPU)."""
     try:
         importlib.import_module("triton.language")
-    except Exception:  # absent or broken: the torch references take over
+    except (ImportError, OSError, RuntimeError):  # absent or broken: the torch references take over
         return False
     return True
 

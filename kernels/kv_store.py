@@ -5,8 +5,6 @@ and writes nothing; the check is a store mask, so the launch needs no host sync.
 """
 from __future__ import annotations
 
-import torch
-
 from . import can_use_triton, lazy_jit
 from .reference import store_kv_ref
 

@@ -16,6 +16,7 @@ sequences) get zeros.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -150,10 +151,15 @@ def _merge_splits_kernel(
              out.to(out_ptr.dtype.element_ty), mask=mask_d)
 
 
+@functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 1
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
 
 def launch_config(block_d: int) -> tuple[int, int, int]:
@@ -175,8 +181,7 @@ def pick_num_splits(num_tokens: int, num_heads: int, max_kv_len: int, device: to
     """
     want = math.ceil(_PROGRAMS_PER_SM * _num_sms(device) / max(1, num_tokens * num_heads))
     by_len = math.ceil(max_kv_len / _MIN_KEYS_PER_SPLIT)
-    splits = max(1, min(want, by_len, _MAX_SPLITS))
-    return 1 << (splits - 1).bit_length() if splits & (splits - 1) else splits
+    return _next_pow2(max(1, min(want, by_len, _MAX_SPLITS)))
 
 
 def paged_attention(q, k_cache, v_cache, query_start_loc, kv_lens, block_tables, scale: float, *,
@@ -187,7 +192,9 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, kv_lens, block_tables,
     q: [N, H, D]; k_cache, v_cache: [num_blocks, tokens_per_block, H, D];
     query_start_loc: [S + 1] int32; kv_lens: [S] int32 (self: seq_lens incl. new tokens,
     cross: enc_lens); block_tables: [S, max_blocks] int32; bias_table: [H, L] read at
-    ``clamp(q_pos - k_pos, 0, L - 1)`` (the T5 decoder table; meant for causal use). ``num_splits`` None picks by occupancy.
+    ``clamp(q_pos - k_pos, 0, L - 1)`` (the T5 decoder table; meant for causal use).
+    ``num_splits`` None picks by occupancy from the block-table width (callers with
+    host-side lengths pass ``pick_num_splits(...)``); results do not depend on it.
     """
     if not can_use_triton(q, k_cache, v_cache, block_tables):
         return paged_attention_ref(q, k_cache, v_cache, query_start_loc, kv_lens, block_tables, scale,
@@ -195,7 +202,7 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, kv_lens, block_tables,
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = kv_lens.shape[0]
     tokens_per_block = k_cache.shape[1]
-    assert k_cache.shape[2] == num_heads and k_cache.shape[3] == head_dim, "cache heads/dim != q"
+    assert k_cache.shape[2:] == (num_heads, head_dim), "cache [heads, head_dim] must match q (no GQA)"
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     assert tokens_per_block & (tokens_per_block - 1) == 0, "tokens_per_block must be a power of two"
     if out is None:
@@ -205,7 +212,7 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, kv_lens, block_tables,
     if num_splits is None:
         max_kv_len = block_tables.shape[1] * tokens_per_block
         num_splits = pick_num_splits(num_tokens, num_heads, max_kv_len, q.device)
-    block_d = triton_next_pow2(head_dim)
+    block_d = _next_pow2(head_dim)
     block_n, num_warps, num_stages = launch_config(block_d)
     if num_splits > 1:
         part = torch.empty((num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32,
@@ -217,7 +224,7 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, kv_lens, block_tables,
         part = m = l = None
         dst, stride_os = out, 0
     has_bias = bias_table is not None
-    bias = bias_table if has_bias else q                                    # dummy pointer
+    bias = bias_table.contiguous() if has_bias else q                       # q: a dummy pointer
     search_steps = max(1, num_seqs).bit_length() + 1
     _paged_attention_kernel[(num_tokens, num_heads, num_splits)](
         q, k_cache, v_cache, dst, m if m is not None else dst, l if l is not None else dst,
@@ -235,10 +242,6 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, kv_lens, block_tables,
         _merge_splits_kernel[(num_tokens, num_heads)](
             part, m, l, out, part.stride(0), part.stride(1), part.stride(2), out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-            BLOCK_S=triton_next_pow2(num_splits), num_warps=1,
+            BLOCK_S=_next_pow2(num_splits), num_warps=1,
         )
     return out
-
-
-def triton_next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()

@@ -25,7 +25,7 @@ def paged_attention_ref(q, k_cache, v_cache, query_start_loc, kv_lens, block_tab
 
     ``num_splits`` only steers the kernel's split-K and is ignored here.
     """
-    num_tokens, num_heads, _ = q.shape                                      # q: [N, H, D]
+    num_tokens = q.shape[0]                                                 # q: [N, H, D]
     num_seqs = kv_lens.shape[0]
     tokens_per_block = k_cache.shape[1]                                     # cache: [B, T, H, D]
     qsl = query_start_loc.long()

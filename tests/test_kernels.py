@@ -1,37 +1,44 @@
 """Each Triton kernel against its torch reference, and the triton backend against the torch one.
 
-Without CUDA the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set below
-before anything imports triton); with CUDA the same cases run compiled on the GPU
-(``test_kernels_gpu.py`` adds bf16 and larger shapes there). Every output buffer a kernel
-writes, including split-K partials, starts as NaN, so an unwritten element fails.
+Without CUDA the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set by a
+fixture for this module's tests only; kernels are decorated at first launch, so it takes
+effect then); with CUDA the same cases run compiled on the GPU (``test_kernels_gpu.py``
+adds bf16 and larger shapes there). Every output buffer a kernel writes, including
+split-K partials, starts as NaN, so an unwritten element fails.
 """
-import os
+import subprocess
+import sys
 
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-
-import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from enc2dec import kernels  # noqa: E402
-from enc2dec.engine.attention import DecoderMetadata, EncoderMetadata, TorchAttentionBackend  # noqa: E402
-from enc2dec.kernels import reference as ref  # noqa: E402
-from enc2dec.kernels.activations import gated_gelu, gelu  # noqa: E402
-from enc2dec.kernels.backend import TritonAttentionBackend  # noqa: E402
-from enc2dec.kernels.kv_store import store_kv  # noqa: E402
-from enc2dec.kernels.norms import fused_add_layer_norm, fused_add_rms_norm  # noqa: E402
-from enc2dec.kernels.paged_attention import paged_attention  # noqa: E402
+from enc2dec import kernels
+from enc2dec.engine.attention import (
+    DecoderMetadata,
+    EncoderMetadata,
+    TorchAttentionBackend,
+)
+from enc2dec.kernels import reference as ref
+from enc2dec.kernels.activations import gated_gelu, gelu
+from enc2dec.kernels.backend import TritonAttentionBackend
+from enc2dec.kernels.kv_store import store_kv
+from enc2dec.kernels.norms import fused_add_layer_norm, fused_add_rms_norm
+from enc2dec.kernels.paged_attention import paged_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # fp32 math in kernel and reference; only summation order differs.
-TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3),
-       torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+TOL = {torch.float32: {"atol": 1e-4, "rtol": 1e-4}, torch.float16: {"atol": 2e-3, "rtol": 2e-3},
+       torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def triton_interpreter_without_cuda():
+    with pytest.MonkeyPatch.context() as mp:
+        if DEVICE == "cpu":
+            mp.setenv("TRITON_INTERPRET", "1")
+        yield
 
 
 @pytest.fixture(autouse=True)
@@ -69,10 +76,9 @@ def make_paged_case(kv_lens, q_lens, num_heads, head_dim, *, tokens_per_block=16
     qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     q = torch.randn(sum(q_lens) + pad_tokens, num_heads, head_dim, generator=g).to(dtype)
     bias = torch.randn(num_heads, max(kv_lens) + 8, generator=g)
-    to = dict(device=device)
-    return dict(q=q.to(**to), k_cache=k_cache.to(**to), v_cache=v_cache.to(**to), query_start_loc=qsl.to(**to),
-                kv_lens=torch.tensor(kv_lens, dtype=torch.int32, device=device), block_tables=tables.to(**to),
-                bias=bias.to(**to))
+    case = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "query_start_loc": qsl,
+            "kv_lens": torch.tensor(kv_lens, dtype=torch.int32), "block_tables": tables, "bias": bias}
+    return {name: t.to(device) for name, t in case.items()}
 
 
 def check_paged(case, *, causal, use_bias, num_splits, scale=0.125, dtype=torch.float32):
@@ -156,7 +162,7 @@ def test_store_kv_matches_reference_and_skips_padding(dtype, cache_dtype):
     # A plain copy is exact, except that the CPU interpreter's fp32->bf16 rounding is off by
     # up to one bf16 ulp (2**-8 relative) from torch's round-to-nearest-even.
     exact = dtype == cache_dtype or DEVICE == "cuda"
-    tol = dict(atol=0, rtol=0) if exact else dict(atol=0, rtol=2 ** -7)
+    tol = {"atol": 0, "rtol": 0} if exact else {"atol": 0, "rtol": 2 ** -7}
     torch.testing.assert_close(k_cache, k_ref, equal_nan=True, **tol)
     torch.testing.assert_close(v_cache, v_ref, equal_nan=True, **tol)
     assert torch.isnan(k_cache).flatten(0, 1).all(-1).all(-1).sum() == num_blocks * tpb - (num_tokens - 2)

@@ -7,17 +7,22 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 pytest.importorskip("triton")
 
-from test_kernels import (  # noqa: E402  (tests/ is on sys.path under pytest's default import mode)
-    TOL, assert_close, check_backend_decode, check_paged, decoder_meta, encoder_meta, make_paged_case,
+from enc2dec.engine.attention import TorchAttentionBackend
+from enc2dec.kernels import reference as ref
+from enc2dec.kernels.activations import gated_gelu, gelu
+from enc2dec.kernels.backend import TritonAttentionBackend
+from enc2dec.kernels.kv_store import store_kv
+from enc2dec.kernels.norms import fused_add_layer_norm, fused_add_rms_norm
+from test_kernels import (  # tests/ is on sys.path (pytest's default import mode)
+    TOL,
+    assert_close,
+    check_backend_decode,
+    check_paged,
+    decoder_meta,
+    encoder_meta,
+    make_paged_case,
     poison_allocations,  # noqa: F401  (the autouse NaN-poisoning fixture)
 )
-
-from enc2dec.engine.attention import TorchAttentionBackend  # noqa: E402
-from enc2dec.kernels import reference as ref  # noqa: E402
-from enc2dec.kernels.activations import gated_gelu, gelu  # noqa: E402
-from enc2dec.kernels.backend import TritonAttentionBackend  # noqa: E402
-from enc2dec.kernels.kv_store import store_kv  # noqa: E402
-from enc2dec.kernels.norms import fused_add_layer_norm, fused_add_rms_norm  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -65,9 +70,10 @@ def test_norms_and_activations_cuda(dtype, shape):
     x, residual = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(2))
     weight = 1 + 0.1 * torch.randn(shape[-1], device="cuda", dtype=dtype)
     bias = 0.1 * torch.randn(shape[-1], device="cuda", dtype=dtype)
-    for got, expected in ((fused_add_rms_norm(x, residual, weight, 1e-6), ref.fused_add_rms_norm_ref(x, residual, weight, 1e-6)),
-                          (fused_add_layer_norm(x, residual, weight, bias, 1e-5),
-                           ref.fused_add_layer_norm_ref(x, residual, weight, bias, 1e-5))):
+    pairs = ((fused_add_rms_norm(x, residual, weight, 1e-6), ref.fused_add_rms_norm_ref(x, residual, weight, 1e-6)),
+             (fused_add_layer_norm(x, residual, weight, bias, 1e-5),
+              ref.fused_add_layer_norm_ref(x, residual, weight, bias, 1e-5)))
+    for got, expected in pairs:
         assert_close(got[0], expected[0], dtype)
         assert_close(got[1], expected[1], dtype)
     for approximate in ("none", "tanh"):
@@ -83,7 +89,7 @@ def test_backend_matches_torch_backend_without_host_syncs(dtype, monkeypatch):
     case = make_paged_case(kv_lens, q_lens, 8, 64, dtype=dtype, device="cuda", seed=3)
     enc_case = make_paged_case(lengths(num_seqs, 1, 1500, seed=2), q_lens, 8, 64, dtype=dtype, device="cuda", seed=4)
     # sdpa in bf16 rounds its probabilities to bf16; the kernel keeps them fp32.
-    tol = dict(atol=5e-2, rtol=5e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+    tol = {"atol": 5e-2, "rtol": 5e-2} if dtype == torch.bfloat16 else {"atol": 1e-4, "rtol": 1e-4}
     monkeypatch.setitem(TOL, dtype, tol)
     check_backend_decode(case, enc_case, q_lens, kv_lens, dtype)
 

@@ -1,0 +1,198 @@
+"""The LLM API as a user sees it: sampling, streaming, preemption, stop rules and bad input."""
+import asyncio
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from enc2dec.engine import LLM, KvCacheConfig, SamplingParams
+
+KV = KvCacheConfig(cross_kv_cache_fraction=0.5, tokens_per_block=4, max_cpu_memory_bytes=32 << 20)
+
+
+@pytest.fixture(scope="module")
+def t5_llm(t5_relu):
+    with LLM(t5_relu, dtype="float32", max_batch_size=8, max_input_len=64, kv_cache_config=KV) as llm:
+        yield llm
+
+
+def test_seeded_sampling_is_reproducible_and_n_gives_distinct_samples(t5_llm):
+    params = SamplingParams(max_tokens=10, temperature=1.0, top_k=50, top_p=0.95, seed=7, n=3, ignore_eos=True)
+    a = t5_llm.generate("sample something", params)
+    b = t5_llm.generate("sample something", params)
+    assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+    assert len({tuple(o.token_ids) for o in a.outputs}) == 3
+    c = t5_llm.generate("sample something", SamplingParams(max_tokens=10, temperature=1.0, seed=8, n=3,
+                                                           ignore_eos=True))
+    assert [o.token_ids for o in c.outputs] != [o.token_ids for o in a.outputs]
+
+
+def test_seeded_sample_does_not_depend_on_batch_neighbours(t5_llm):
+    params = SamplingParams(max_tokens=8, temperature=0.8, seed=123, ignore_eos=True)
+    alone = t5_llm.generate("the same prompt", params).outputs[0].token_ids
+    batch = t5_llm.generate(["other one", "the same prompt", "another prompt here"],
+                            [SamplingParams(max_tokens=5, temperature=1.0), params, SamplingParams(max_tokens=9)],
+                            use_tqdm=False)
+    assert batch[1].outputs[0].token_ids == alone
+
+
+def test_logprobs_and_cumulative_logprob(t5_llm):
+    out = t5_llm.generate("logprobs please", SamplingParams(max_tokens=5, temperature=0.0, logprobs=3,
+                                                            ignore_eos=True)).outputs[0]
+    assert len(out.logprobs) == 5
+    for tok, lp in zip(out.token_ids, out.logprobs):
+        assert tok in lp and max(lp.values()) == lp[tok]     # greedy picks the most likely token
+        assert len(lp) == 3 and all(v <= 0 for v in lp.values())
+    assert out.cumulative_logprob == pytest.approx(sum(lp[t] for t, lp in zip(out.token_ids, out.logprobs)),
+                                                   abs=1e-4)
+
+
+def test_stop_token_ids_min_tokens_and_ignore_eos(t5_llm):
+    free = t5_llm.generate("stop rules", SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    ids = free.outputs[0].token_ids
+    assert len(ids) == 12 and free.outputs[0].finish_reason == "length"
+    stop_at = ids[4]
+    first = ids.index(stop_at)
+    out = t5_llm.generate("stop rules", SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                                       stop_token_ids=[stop_at])).outputs[0]
+    assert out.token_ids == ids[:first + 1] and out.finish_reason == "stop" and out.stop_reason == stop_at
+    # min_tokens holds back stop tokens: the token stop_at cannot end the sequence before 8 tokens.
+    later = t5_llm.generate("stop rules", SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                                         stop_token_ids=[stop_at], min_tokens=8)).outputs[0]
+    assert len(later.token_ids) >= 8
+
+
+def test_stop_string_truncates_text(byt5):
+    with LLM(byt5, dtype="float32", max_batch_size=4, kv_cache_config=KV) as llm:
+        free = llm.generate("byte level", SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+        text = free.outputs[0].text
+        assert len(text) >= 6
+        stop = text[3:5]
+        out = llm.generate("byte level", SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                                                        stop=[stop])).outputs[0]
+    assert out.text == text[:text.index(stop)]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+
+
+def test_streaming_yields_incremental_text_and_async_result(byt5):
+    async def run(llm):
+        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        pieces, last = [], None
+        async for out in llm.generate_async("stream me", params, streaming=True):
+            pieces.append(out.outputs[0].text)
+            last = out
+        final = await llm.generate_async("stream me", params).aresult()
+        return pieces, last, final
+
+    with LLM(byt5, dtype="float32", max_batch_size=4, kv_cache_config=KV) as llm:
+        pieces, last, final = asyncio.run(run(llm))
+        blocking = llm.generate_async("stream me", SamplingParams(max_tokens=16, temperature=0.0,
+                                                                   ignore_eos=True)).result(timeout=60)
+    assert len(pieces) > 3 and last.finished
+    assert all(b.startswith(a) for a, b in zip(pieces, pieces[1:]))     # text only grows
+    assert pieces[-1] == final.outputs[0].text == blocking.outputs[0].text
+    assert final.outputs[0].token_ids == blocking.outputs[0].token_ids
+
+
+def test_preemption_loses_no_request_and_no_token(t5_relu):
+    prompts = [f"request number {i} " + "x " * (i % 5) for i in range(10)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    with LLM(t5_relu, dtype="float32", max_batch_size=8, max_input_len=32, kv_cache_config=KV) as llm:
+        roomy = llm.generate(prompts, params, use_tqdm=False)
+    # A self pool far smaller than 8 running sequences need: the scheduler must preempt and resume.
+    tiny = KvCacheConfig(cross_kv_cache_fraction=0.5, tokens_per_block=4, max_tokens=160)
+    with LLM(t5_relu, dtype="float32", max_batch_size=8, max_input_len=32, kv_cache_config=tiny) as llm:
+        tight = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.scheduler.self_pool.num_used_blocks == 0
+        assert llm.engine.scheduler.cross_pool.num_used_blocks == 0
+    assert [o.outputs[0].token_ids for o in tight] == [o.outputs[0].token_ids for o in roomy]
+
+
+def test_kv_pools_return_to_empty(t5_llm):
+    t5_llm.generate(["a", "b c d", "e f g h i j"], SamplingParams(max_tokens=7, n=2, temperature=0.5),
+                    use_tqdm=False)
+    sched = t5_llm.engine.scheduler
+    assert sched.self_pool.num_used_blocks == 0 and sched.cross_pool.num_used_blocks == 0
+
+
+# ---- bad input: each names the problem, and the engine keeps serving ----------------------
+
+@pytest.mark.parametrize("prompt, params, pattern", [
+    ("x " * 200, None, "more than max_input_len=64"),
+    ([5, 10 ** 6], None, r"outside the vocabulary"),
+    ([], None, "empty"),
+    ("beam", SamplingParams(use_beam_search=True, best_of=2), "max_beam_width"),
+    (3.5, None, "unsupported prompt type"),
+])
+def test_bad_request_is_rejected_and_a_good_one_alongside_completes(t5_llm, prompt, params, pattern):
+    good = t5_llm.generate_async("a good request", SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    with pytest.raises(ValueError, match=pattern):
+        t5_llm.generate(prompt, params)
+    out = good.result(timeout=60)
+    assert out.finished and len(out.outputs[0].token_ids) == 6 and out.error is None
+
+
+def test_empty_batch(t5_llm):
+    with pytest.raises(ValueError, match="empty batch"):
+        t5_llm.generate([])
+
+
+def test_missing_cross_kv_fraction(t5_relu):
+    with pytest.raises(ValueError, match="cross_kv_cache_fraction is required"):
+        LLM(t5_relu, kv_cache_config=KvCacheConfig())
+
+
+@pytest.mark.parametrize("kwargs, pattern", [
+    ({"pipeline_parallel_size": 2}, "pipeline_parallel_size must be 1"),
+    ({"context_parallel_size": 2}, "context_parallel_size must be 1"),
+    ({"enable_attention_dp": True}, "enable_attention_dp must be False"),
+    ({"max_batch_sizes": 3}, "unknown config key 'max_batch_sizes'"),
+])
+def test_rejected_engine_options(t5_relu, kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        LLM(t5_relu, kv_cache_config=KV, **kwargs)
+
+
+def _copy_with_config(src, dst, **changes):
+    shutil.copytree(src, dst)
+    cfg = json.load(open(os.path.join(dst, "config.json")))
+    cfg.update(changes)
+    json.dump(cfg, open(os.path.join(dst, "config.json"), "w"))
+    gen = os.path.join(dst, "generation_config.json")
+    if os.path.exists(gen):
+        g = json.load(open(gen))
+        g.update({k: v for k, v in changes.items() if k in g or v is None})
+        json.dump(g, open(gen, "w"))
+    return str(dst)
+
+
+def test_unsupported_architecture_is_named(t5_relu, tmp_path):
+    path = _copy_with_config(t5_relu, tmp_path / "m", architectures=["PegasusForConditionalGeneration"],
+                             model_type="t5")
+    with pytest.raises(ValueError, match="PegasusForConditionalGeneration.*T5ForConditionalGeneration"):
+        LLM(path, kv_cache_config=KV)
+
+
+def test_checkpoint_without_start_token(t5_relu, tmp_path):
+    path = _copy_with_config(t5_relu, tmp_path / "m", decoder_start_token_id=None, bos_token_id=None)
+    with pytest.raises(ValueError, match="neither decoder_start_token_id nor bos_token_id"):
+        LLM(path, kv_cache_config=KV)
+
+
+def test_whisper_bad_audio(whisper):
+    with LLM(whisper, dtype="float32", max_batch_size=4, kv_cache_config=KV) as llm:
+        good = llm.generate_async({"prompt": "", "multi_modal_data": {"audio": [(np.zeros(16000, np.float32) + 0.01,
+                                                                                  16000)]}},
+                                  SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        with pytest.raises(ValueError, match="at most 30 s"):
+            llm.generate({"prompt": "", "multi_modal_data": {"audio": [(np.zeros(16000 * 31, np.float32), 16000)]}})
+        with pytest.raises(ValueError, match="44100 Hz does not match the checkpoint's 16000 Hz"):
+            llm.generate({"prompt": "", "multi_modal_data": {"audio": [(np.zeros(44100, np.float32), 44100)]}})
+        with pytest.raises(ValueError, match="exactly one audio clip"):
+            llm.generate({"prompt": "", "multi_modal_data": {"audio": []}})
+        assert len(good.result(timeout=60).outputs[0].token_ids) == 4
+        with pytest.raises(ValueError, match="max_input_len=1024 is too small for Whisper"):
+            LLM(whisper, max_input_len=1024, kv_cache_config=KV)
