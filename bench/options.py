@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import random
 from dataclasses import dataclass, field
 
@@ -67,6 +68,11 @@ class BenchOptions:
                                   "--load-format dummy a known name such as google/flan-t5-small)")
         if self.baselines and not self.model:
             raise BenchInputError("--baseline needs --model: the baseline builds the model itself")
+        # optional packages: fail before minutes of engine start-up, not after
+        for needed, package, hint in ((self.hf_dataset, "datasets", "--hf-dataset needs 'datasets'"),
+                                      (self.url, "httpx", "--url needs 'httpx'")):
+            if needed and importlib.util.find_spec(package) is None:
+                raise BenchInputError(f"{hint}, which is not installed: pip install {package}")
 
     def level_num_requests(self, concurrency: int) -> int | None:
         if self.num_requests is not None:

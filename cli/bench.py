@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import sys
 from typing import Annotated, Optional
 
 import typer
@@ -74,6 +73,7 @@ OptStr, OptInt, OptFloat = Optional[str], Optional[int], Optional[float]
 
 
 def bench(
+    ctx: typer.Context,
     model: Annotated[OptStr, _engine("Hugging Face folder or hub id; with --load-format dummy also a known name "
                                      "(google/flan-t5-small, openai/whisper-tiny, ...).")] = None,
     load_format: Annotated[OptStr, _engine("auto (the checkpoint's weights) or dummy (random, no download).")] = None,
@@ -147,6 +147,24 @@ def bench(
     raise typer.Exit(code)
 
 
+def _command_line(ctx: typer.Context) -> str:
+    """The options given on the command line, as one shell line (for the report): rebuilt
+    from the parse, so it is right however bench was invoked (console script, python -m,
+    a test's CliRunner)."""
+    parts = ["enc2dec", "bench"]
+    for p in ctx.command.params:
+        source = ctx.get_parameter_source(p.name)
+        if source is None or source.name == "DEFAULT":
+            continue
+        value, flag = ctx.params[p.name], p.opts[0]
+        if getattr(p, "is_flag", False):
+            parts.append(flag if value else (p.secondary_opts or [flag])[0])
+        else:
+            for v in value if isinstance(value, (list, tuple)) else [value]:
+                parts += [flag, str(v)]
+    return shlex.join(parts)
+
+
 def _options(o: dict):
     from enc2dec.bench.errors import BenchInputError
     from enc2dec.bench.hf_baseline import BASELINES
@@ -174,7 +192,7 @@ def _options(o: dict):
         hf_dataset=hf, audio_dir=o["audio_dir"], audio_manifest=o["audio_manifest"],
         audio_seconds=o["audio_seconds"], streaming=o["streaming"], baselines=baselines, url=o["url"],
         thresholds=tuple(parse_threshold(t) for t in o["fail_under"] or []),
-        command=shlex.join(["enc2dec", *sys.argv[1:]]))
+        command=_command_line(o["ctx"]))
     opts.validate()
     return opts
 

@@ -176,7 +176,8 @@ class LlmArgs:
     encoder_max_batch_size: int | None = None
     encoder_max_num_tokens: int | None = None
     kv_cache_config: KvCacheConfig = field(default_factory=KvCacheConfig)
-    cuda_graph_config: CudaGraphConfig | None = None
+    # On by default (padded grid up to max_batch_size); None (YAML null) turns decoder graphs off.
+    cuda_graph_config: CudaGraphConfig | None = field(default_factory=lambda: CudaGraphConfig(enable_padding=True))
     encoder_cuda_graph_config: EncodeCudaGraphConfig | None = None
     enable_encoder_decoder_mixed_cuda_graph: bool = True
     disable_overlap_scheduler: bool = False

@@ -103,7 +103,7 @@ class EngineCore:
         attn = _resolve_attn_backend(args.attn_backend, self.device)
         torch.manual_seed(args.seed)
         t0 = time.perf_counter()
-        self.runner = ModelRunner(args, src.hf_config, src.path, self.device, self.dtype, attn)
+        self.runner = ModelRunner(args, src.hf_config, src.path, self.device, self.dtype, attn, max_input_len)
         plan = self.runner.kv_plan
         logger.info("loaded %s (%s, %s, attention=%s) in %.1f s; KV: %s", args.model, self.device,
                     str(self.dtype).replace("torch.", ""), attn, time.perf_counter() - t0,

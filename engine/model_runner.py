@@ -31,7 +31,7 @@ def _pad_table(tables: list[list[int]]) -> list[list[int]]:
 
 class ModelRunner:
     def __init__(self, args, hf_config, model_path, device: torch.device, dtype: torch.dtype,
-                 attn_backend: str):
+                 attn_backend: str, max_input_len: int):
         self.args = args
         self.device = device
         self.dtype = dtype
@@ -45,6 +45,28 @@ class ModelRunner:
                                    self.kv_plan.num_self_blocks, self.kv_plan.num_cross_blocks, dtype, device)
         self.sampler = Sampler()
         self.states: dict[str, dict[int, SeqSamplingState]] = {}
+        self.graphs = self._maybe_capture(attn_backend, max_input_len)
+
+    def _maybe_capture(self, attn_backend: str, max_input_len: int):
+        cfg = self.args.cuda_graph_config
+        if cfg is None or self.device.type != "cuda":
+            return None
+        if self.dtype == torch.float32:
+            logger.warning("float32 declines CUDA graph capture; decoder steps run eagerly "
+                           "(use dtype=bfloat16 for graphs)")
+            return None
+        if self.backend.name != "triton":
+            logger.warning("CUDA graphs need the triton attention backend (attn_backend=%s); running eagerly",
+                           attn_backend)
+            return None
+        from .cuda_graph import DecodeGraphRunner
+
+        sizes = cfg.capture_sizes(self.args.max_batch_size)
+        max_dec = self.args.max_seq_len or self.model.max_decoder_positions or 512
+        runner = DecodeGraphRunner(self.model, self.kv, self.device, sizes, max_dec, max_input_len,
+                                   self.tokens_per_block)
+        runner.capture()
+        return runner
 
     # ---- start-up -------------------------------------------------------------------------
     def _plan_kv(self):
@@ -70,9 +92,12 @@ class ModelRunner:
             self._run_encoder(so.encodes)
         if not so.seqs:
             return ModelRunnerOutput()
-        input_ids, positions, meta = self._prepare_decode(so.seqs)
-        hidden = self.model.decode(input_ids, positions, meta, self.kv)           # [N, d_model]
-        logits = self.model.compute_logits(hidden[meta.last_token_indices])        # [S, vocab]
+        if self.graphs is not None and self.graphs.can_run(so.seqs):
+            logits = self.graphs.run(so.seqs)                                      # [S, vocab]
+        else:
+            input_ids, positions, meta = self._prepare_decode(so.seqs)
+            hidden = self.model.decode(input_ids, positions, meta, self.kv)       # [N, d_model]
+            logits = self.model.compute_logits(hidden[meta.last_token_indices])    # [S, vocab]
         states = [self.states[s.request_id][s.seq_id] for s in so.seqs]
         out = self.sampler(logits, states, [s.num_output_tokens for s in so.seqs])
         sampled = {}

@@ -56,9 +56,12 @@ def can_use_triton(*tensors: torch.Tensor) -> bool:
 
 
 class lazy_jit:
-    """``triton.jit`` applied at first launch, so importing a kernel module needs no Triton.
+    """``triton.jit`` applied at first launch, so a kernel module imports without Triton and
+    ``TRITON_INTERPRET`` is read then, not at import.
 
-    Kernels decorated this way must not call other jit functions (inline helpers instead).
+    The kernel's module keeps ``tl = None`` as a placeholder and writes its annotations as
+    strings (``from __future__ import annotations``); the first launch binds ``tl`` to
+    ``triton.language``. Kernels decorated this way must not call other jit functions.
     """
 
     def __init__(self, fn):
@@ -69,10 +72,23 @@ class lazy_jit:
     def __getitem__(self, grid):
         if self._kernel is None:
             import triton
+            import triton.language as tl
+
             if interpreting():
+                _check_interpreter_mode(tl)
                 _patch_interpreter_index()
+            self.fn.__globals__["tl"] = tl
             self._kernel = triton.jit(self.fn)
         return self._kernel[grid]
+
+
+def _check_interpreter_mode(tl) -> None:
+    # triton.language's own jit helpers (tl.sum, tl.cdiv, ...) are fixed at its import.
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(tl.standard.sum, InterpretedFunction):
+        raise RuntimeError("TRITON_INTERPRET=1 was set after triton was imported; "  # noqa: TRY004
+                           "set it before the first `import triton` (e.g. at the top of the test module)")
 
 
 @functools.cache

@@ -11,10 +11,7 @@ import torch
 from . import can_use_triton, lazy_jit
 from .reference import gated_gelu_ref, gelu_ref
 
-try:
-    import triton.language as tl
-except ImportError:
-    tl = None
+tl = None  # triton.language, bound by lazy_jit at the first launch (annotations stay strings)
 
 _APPROXIMATIONS = ("none", "tanh")
 

@@ -8,10 +8,7 @@ from __future__ import annotations
 from . import can_use_triton, lazy_jit
 from .reference import store_kv_ref
 
-try:
-    import triton.language as tl
-except ImportError:
-    tl = None
+tl = None  # triton.language, bound by lazy_jit at the first launch (annotations stay strings)
 
 
 @lazy_jit

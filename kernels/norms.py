@@ -11,10 +11,7 @@ import torch
 from . import can_use_triton, lazy_jit
 from .reference import fused_add_layer_norm_ref, fused_add_rms_norm_ref
 
-try:
-    import triton.language as tl
-except ImportError:
-    tl = None
+tl = None  # triton.language, bound by lazy_jit at the first launch (annotations stay strings)
 
 
 @lazy_jit

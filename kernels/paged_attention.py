@@ -24,10 +24,7 @@ import torch
 from . import can_use_triton, lazy_jit
 from .reference import paged_attention_ref
 
-try:
-    import triton.language as tl
-except ImportError:  # the kernels below are only decorated and run when triton exists
-    tl = None
+tl = None  # triton.language, bound by lazy_jit at the first launch (annotations stay strings)
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 16

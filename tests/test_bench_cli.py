@@ -44,7 +44,10 @@ def test_cli_ok_json_csv_and_schema(fake_llm, tmp_path):
     assert rep["schema"] == "enc2dec.bench/v1" and rep["exit_code"] == 0
     assert {"command", "versions", "device", "model", "dtype", "workload", "engine_args", "levels", "ratios",
             "complete", "concurrency", "num_requests"} <= set(rep) and rep["complete"] is True
-    assert rep["command"].startswith("enc2dec ") and set(rep["versions"]) >= {"enc2dec", "torch", "transformers"}
+    assert rep["command"] == ("enc2dec bench --model google/flan-t5-small --load-format dummy --concurrency 1,2 "
+                              f"--num-requests 4 --input-len 8 --output-len 3 --report-json {out} --csv {csv_path} "
+                              "--fail-under out_tok_per_s=1 --quiet")
+    assert set(rep["versions"]) >= {"enc2dec", "torch", "transformers"}
     assert [lv["concurrency"] for lv in rep["levels"]] == [1, 2]
     assert all(lv["output_tokens"] == 4 * 3 for lv in rep["levels"])
     assert csv_path.read_text().splitlines()[0].startswith("backend,concurrency")

@@ -1,0 +1,138 @@
+"""CUDA graphs for decoder steps, applied from outside the model.
+
+One graph per padded batch size in the capture grid, each recording
+``model.decode`` + ``model.compute_logits`` over static input buffers. A step whose
+sequences all feed exactly one token (every pure decode step, and T5/BART steps that
+mix newly encoded requests whose prefix is one token) and whose block tables fit the
+captured widths replays the smallest graph that holds it; anything else runs eagerly.
+
+Padding rows write nowhere (slot -1) and attend to one position of block 0; their
+logits are dropped. Attention split counts are fixed at capture for the longest
+sequence, which is safe because the kernels mask by the per-sequence lengths.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from .attention import DecoderMetadata
+
+logger = logging.getLogger("enc2dec")
+
+
+class DecodeGraphRunner:
+    def __init__(self, model, kv, device, capture_sizes: list[int], max_decoder_len: int,
+                 max_encoder_len: int, tokens_per_block: int):
+        self.model, self.kv, self.device = model, kv, device
+        self.sizes = sorted(set(capture_sizes))
+        self.max_b = self.sizes[-1]
+        self.tpb = tokens_per_block
+        self.max_decoder_len = max_decoder_len
+        self.max_encoder_len = max_encoder_len
+        self.self_width = -(-max_decoder_len // tokens_per_block)
+        self.cross_width = -(-max_encoder_len // tokens_per_block)
+        b = self.max_b
+        # int64 fields: input_ids, positions, slot_mapping, last_token_indices
+        self._host64 = torch.zeros(4 * b, dtype=torch.long).pin_memory()
+        self._dev64 = torch.zeros(4 * b, dtype=torch.long, device=device)
+        # int32 fields: query_start_loc (b+1), seq_lens, enc_lens, block tables
+        n32 = (b + 1) + 2 * b + b * self.self_width + b * self.cross_width
+        self._host32 = torch.zeros(n32, dtype=torch.int32).pin_memory()
+        self._dev32 = torch.zeros(n32, dtype=torch.int32, device=device)
+        self._np64 = self._host64.numpy()
+        self._np32 = self._host32.numpy()
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.pool = None
+
+    # ---- static views -----------------------------------------------------------------------
+    def _views(self, buf64, buf32, b: int):
+        B = self.max_b
+        ids, pos, slots, last = (buf64[i * B:i * B + b] for i in range(4))
+        o = 0
+        qsl = buf32[o:o + b + 1]; o += B + 1
+        seq_lens = buf32[o:o + b]; o += B
+        enc_lens = buf32[o:o + b]; o += B
+        bt = buf32[o:o + B * self.self_width].view(B, self.self_width)[:b]; o += B * self.self_width
+        cbt = buf32[o:o + B * self.cross_width].view(B, self.cross_width)[:b]
+        return ids, pos, slots, last, qsl, seq_lens, enc_lens, bt, cbt
+
+    def _meta(self, b: int) -> tuple[torch.Tensor, torch.Tensor, DecoderMetadata]:
+        ids, pos, slots, last, qsl, seq_lens, enc_lens, bt, cbt = self._views(self._dev64, self._dev32, b)
+        meta = DecoderMetadata(
+            query_start_loc=qsl, seq_lens=seq_lens, block_tables=bt, slot_mapping=slots,
+            cross_block_tables=cbt, enc_lens=enc_lens, query_lens_host=[1] * b,
+            seq_lens_host=[self.max_decoder_len] * b, enc_lens_host=[self.max_encoder_len] * b,
+            last_token_indices=last)
+        return ids, pos, meta
+
+    # ---- capture ----------------------------------------------------------------------------
+    def capture(self) -> None:
+        t0 = time.perf_counter()
+        self._fill_dummy()
+        for b in reversed(self.sizes):                     # largest first: later graphs reuse its pool
+            ids, pos, meta = self._meta(b)
+            for _ in range(2):                             # warm up (Triton compiles, allocator settles)
+                self._forward(ids, pos, meta)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.logits[b] = self._forward(ids, pos, meta)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[b] = graph
+        torch.cuda.synchronize(self.device)
+        logger.info("captured %d decoder CUDA graphs (batch sizes %s) in %.1f s",
+                    len(self.graphs), ",".join(map(str, self.sizes)), time.perf_counter() - t0)
+
+    def _forward(self, ids, pos, meta):
+        hidden = self.model.decode(ids, pos, meta, self.kv)                 # [b, d_model]
+        return self.model.compute_logits(hidden[meta.last_token_indices])   # [b, vocab]
+
+    def _fill_dummy(self) -> None:
+        b = self.max_b
+        self._np64[:] = 0
+        self._np64[2 * b:3 * b] = -1                       # slot_mapping: write nowhere
+        self._np64[3 * b:4 * b] = np.arange(b)
+        self._np32[:] = 0
+        self._np32[:b + 1] = np.arange(b + 1)
+        self._np32[b + 1:3 * b + 1] = 1                    # seq_lens, enc_lens
+        self._dev64.copy_(self._host64)
+        self._dev32.copy_(self._host32)
+
+    # ---- replay -----------------------------------------------------------------------------
+    def can_run(self, seqs) -> bool:
+        return (len(seqs) <= self.max_b and all(s.num_new_tokens == 1 for s in seqs)
+                and all(len(s.block_ids) <= self.self_width and len(s.cross_block_ids) <= self.cross_width
+                        for s in seqs))
+
+    def run(self, seqs) -> torch.Tensor:
+        n = len(seqs)
+        b = next(size for size in self.sizes if size >= n)
+        B, tpb = self.max_b, self.tpb
+        h64, h32 = self._np64, self._np32
+        h64[:] = 0
+        h64[2 * B:3 * B] = -1
+        h64[3 * B:3 * B + b] = np.arange(b)
+        h32[:B + 1] = np.arange(B + 1)
+        h32[B + 1:3 * B + 1] = 1
+        o_bt = 3 * B + 1
+        o_cbt = o_bt + B * self.self_width
+        h32[o_bt:] = 0
+        for i, s in enumerate(seqs):
+            p = s.start_pos
+            h64[i] = s.input_token_ids[0]
+            h64[B + i] = p
+            h64[2 * B + i] = s.block_ids[p // tpb] * tpb + p % tpb
+            h32[B + 1 + i] = s.seq_len
+            h32[2 * B + 1 + i] = s.encoder_len
+            h32[o_bt + i * self.self_width:o_bt + i * self.self_width + len(s.block_ids)] = s.block_ids
+            h32[o_cbt + i * self.cross_width:o_cbt + i * self.cross_width + len(s.cross_block_ids)] = \
+                s.cross_block_ids
+        self._dev64.copy_(self._host64, non_blocking=True)
+        self._dev32.copy_(self._host32, non_blocking=True)
+        self.graphs[b].replay()
+        return self.logits[b][:n]
