@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
-# One call on a GPU machine: install, the GPU test suite, then a quick enc2dec bench.
-#   bench/gpu_check.sh            (OUT defaults to ./gpu-out)
+# One call on a GPU machine: install, the GPU test suite, issue 3's tables (bench/gpu_suite.sh),
+# and a graphs-off ablation. Every part has its own time limit; reports land under $OUT.
+#   OUT=./gpu-out bench/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-./gpu-out}; mkdir -p "$OUT"
+export OUT=${OUT:-./gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 HF_HUB_OFFLINE=1
-pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { echo "install failed"; tail -5 "$OUT/install.log"; }
+pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || tail -3 "$OUT/install.log"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/machine.txt"
-git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/machine.txt"
-timeout ${TEST_LIMIT_S:-240} python -m pytest -m gpu -q -p no:cacheprovider tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
-for spec in "google/flan-t5-large --input-len 128 --output-len 128" \
-            "openai/whisper-large-v3 --audio-seconds 30 --output-len 96"; do
-  timeout ${BENCH_LIMIT_S:-150} enc2dec bench --model $spec --load-format dummy --dtype bfloat16 \
-      --concurrency 1,8,64 --num-requests 8,32,128 --warmup 2 --quiet 2>&1 | tail -12
-done
+echo "== pytest -m gpu"
+timeout ${TEST_LIMIT_S:-100} python -m pytest -m gpu -q -p no:cacheprovider tests/ >"$OUT/gpu_tests.log" 2>&1
+echo "exit $?"; grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -3; grep -E "^FAILED|^ERROR" "$OUT/gpu_tests.log" | head -12
+echo "== issue 3 suite"
+LIMIT_S=${SUITE_LIMIT_S:-190} NUM_REQUESTS=${NUM_REQUESTS:-4,16,64} CONCURRENCY=${CONCURRENCY:-1,8,64} bash bench/gpu_suite.sh all 2>&1 | tail -30
+echo "== ablation: decoder CUDA graphs off"
+printf 'cuda_graph_config: null\nkv_cache_config:\n  cross_kv_cache_fraction: 0.5\n' > "$OUT/nographs.yaml"
+timeout ${ABL_LIMIT_S:-60} enc2dec bench --model google/flan-t5-large --load-format dummy --dtype bfloat16 \
+   --config "$OUT/nographs.yaml" --concurrency 1,64 --num-requests 4,64 --warmup 1 --input-len 128 --output-len 128 \
+   --quiet --report-json "$OUT/ablation-nographs.json" 2>&1 | tail -8

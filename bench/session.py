@@ -67,8 +67,20 @@ def _versions() -> dict:
         try:
             out[pkg] = version(pkg)
         except PackageNotFoundError:
-            out[pkg] = None
+            out[pkg] = _source_version() if pkg == "enc2dec" else None
     return out
+
+
+def _source_version() -> str | None:
+    """enc2dec run from a source tree without being installed: pyproject's version, marked."""
+    import re
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(__file__))), "pyproject.toml")
+    try:
+        m = re.search(r'^version\s*=\s*"([^"]+)"', open(path).read(), re.M)
+    except OSError:
+        return None
+    return f"{m.group(1)}+source" if m else None
 
 
 def _device_info(device, url: str | None) -> dict:
