@@ -74,7 +74,7 @@ def test_t5_engine_and_hf_baseline(tiny_t5, tmp_path):
     assert rep["engine_args"]["kv_cache_config"]["cross_kv_cache_fraction"] == 0.5
     levels = {(lv["backend"], lv["concurrency"]): lv for lv in rep["levels"]}
     assert set(levels) == {("enc2dec", 1), ("hf", 1), ("enc2dec", 3), ("hf", 3)}
-    for (backend, c), lv in levels.items():
+    for (_, c), lv in levels.items():
         check_consistent(lv, 6, 8)
         # same requests on both sides: the same encoder tokens
         assert lv["input_tokens"] == levels[("enc2dec", c)]["input_tokens"]
