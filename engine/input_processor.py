@@ -82,6 +82,7 @@ class InputProcessor:
         self.suppress_token_ids = tuple(getattr(g, "suppress_tokens", None) or ()) if self.is_whisper else ()
         self.begin_suppress_token_ids = tuple(getattr(g, "begin_suppress_tokens", None) or ()) \
             if self.is_whisper else ()
+        self.whisper_default_prefix = self._default_whisper_prefix() if self.is_whisper else []
 
     # ---- decoder prefix -------------------------------------------------------------------
     def _text_prefix(self) -> tuple[list[int], int]:
@@ -90,24 +91,37 @@ class InputProcessor:
         return [self.decoder_start_token_id], 1
 
     def _whisper_prefix(self, prompt: str | None) -> list[int]:
-        tok = self._require_tokenizer("a Whisper decoder prompt")
-        sot = tok.convert_tokens_to_ids("<|startoftranscript|>")
         if prompt:
+            tok = self._require_tokenizer("a Whisper decoder prompt")
             ids = tok.encode(prompt, add_special_tokens=False)
-            if not ids or ids[0] != sot:
+            if not ids or ids[0] != tok.convert_tokens_to_ids("<|startoftranscript|>"):
                 raise ValueError("a non-empty Whisper prompt must begin with <|startoftranscript|> "
                                  f"(it replaces the decoder prefix verbatim); got {prompt[:60]!r}")
             return ids
-        forced = getattr(self.gen, "forced_decoder_ids", None)
-        multilingual = getattr(self.gen, "is_multilingual", None)
+        return list(self.whisper_default_prefix)
+
+    def _default_whisper_prefix(self) -> list[int]:
+        """<|startoftranscript|><|en|><|transcribe|><|notimestamps|> on multilingual checkpoints, the
+        checkpoint's own default (<|startoftranscript|><|notimestamps|>) on English-only ones. Ids
+        come from the generation config when it has them, so dummy models need no tokenizer."""
+        g, tok = self.gen, self.tokenizer
+        multilingual = getattr(g, "is_multilingual", None)
         if multilingual is None:
             multilingual = self.vocab_size >= 51865
+
+        def special(name: str, table: str | None = None, key: str | None = None, attr: str | None = None):
+            value = (getattr(g, table, None) or {}).get(key) if table else getattr(g, attr, None)
+            if value is None and tok is not None:
+                value = tok.convert_tokens_to_ids(name)
+            if value is None:
+                raise ValueError(f"the checkpoint's generation config lacks the id of {name} and there is no "
+                                 "tokenizer to look it up; pass a Whisper prompt with a tokenizer")
+            return int(value)
+
+        prefix = [self.decoder_start_token_id]
         if multilingual:
-            names = ["<|startoftranscript|>", "<|en|>", "<|transcribe|>", "<|notimestamps|>"]
-            return [tok.convert_tokens_to_ids(n) for n in names]
-        if forced:
-            return [self.decoder_start_token_id] + [int(t) for _, t in sorted(forced)]
-        return [sot, tok.convert_tokens_to_ids("<|notimestamps|>")]
+            prefix += [special("<|en|>", "lang_to_id", "<|en|>"), special("<|transcribe|>", "task_to_id", "transcribe")]
+        return prefix + [special("<|notimestamps|>", attr="no_timestamps_token_id")]
 
     def _require_tokenizer(self, what: str):
         if self.tokenizer is None:
