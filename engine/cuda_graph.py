@@ -36,14 +36,15 @@ class DecodeGraphRunner:
         self.cross_width = -(-max_encoder_len // tokens_per_block)
         b = self.max_b
         # int64 fields: input_ids, positions, slot_mapping, last_token_indices
-        self._host64 = torch.zeros(4 * b, dtype=torch.long).pin_memory()
+        # Two pinned staging sets, used in turn: with the overlap scheduler the host fills step
+        # N+1's inputs while step N's copy may still be queued; N-1's copy is known done.
+        self._staging = [(torch.zeros(4 * b, dtype=torch.long).pin_memory(), None) for _ in range(2)]
         self._dev64 = torch.zeros(4 * b, dtype=torch.long, device=device)
         # int32 fields: query_start_loc (b+1), seq_lens, enc_lens, block tables
         n32 = (b + 1) + 2 * b + b * self.self_width + b * self.cross_width
-        self._host32 = torch.zeros(n32, dtype=torch.int32).pin_memory()
+        self._staging = [(h64, torch.zeros(n32, dtype=torch.int32).pin_memory()) for h64, _ in self._staging]
+        self._turn = 0
         self._dev32 = torch.zeros(n32, dtype=torch.int32, device=device)
-        self._np64 = self._host64.numpy()
-        self._np32 = self._host32.numpy()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -93,15 +94,7 @@ class DecodeGraphRunner:
         return self.model.compute_logits(hidden[meta.last_token_indices])   # [b, vocab]
 
     def _fill_dummy(self) -> None:
-        b = self.max_b
-        self._np64[:] = 0
-        self._np64[2 * b:3 * b] = -1                       # slot_mapping: write nowhere
-        self._np64[3 * b:4 * b] = np.arange(b)
-        self._np32[:] = 0
-        self._np32[:b + 1] = np.arange(b + 1)
-        self._np32[b + 1:3 * b + 1] = 1                    # seq_lens, enc_lens
-        self._dev64.copy_(self._host64)
-        self._dev32.copy_(self._host32)
+        self.run([], (), None, replay=False)
 
     # ---- replay -----------------------------------------------------------------------------
     def can_run(self, seqs) -> bool:
@@ -109,16 +102,19 @@ class DecodeGraphRunner:
                 and all(len(s.block_ids) <= self.self_width and len(s.cross_block_ids) <= self.cross_width
                         for s in seqs))
 
-    def run(self, seqs) -> torch.Tensor:
+    def run(self, seqs, fill=(), prev_tokens: torch.Tensor | None = None, replay: bool = True):
+        """Copy the step's inputs into the static buffers and replay; ``fill`` lists
+        (row, previous-sample row) pairs whose token is taken from ``prev_tokens`` on the device."""
         n = len(seqs)
-        b = next(size for size in self.sizes if size >= n)
         B, tpb = self.max_b, self.tpb
-        h64, h32 = self._np64, self._np32
+        host64, host32 = self._staging[self._turn]
+        self._turn ^= 1
+        h64, h32 = host64.numpy(), host32.numpy()
         h64[:] = 0
-        h64[2 * B:3 * B] = -1
-        h64[3 * B:3 * B + b] = np.arange(b)
+        h64[2 * B:3 * B] = -1                              # padding rows write nowhere
+        h64[3 * B:4 * B] = np.arange(B)
         h32[:B + 1] = np.arange(B + 1)
-        h32[B + 1:3 * B + 1] = 1
+        h32[B + 1:3 * B + 1] = 1                           # padding rows: one key, one encoder position
         o_bt = 3 * B + 1
         o_cbt = o_bt + B * self.self_width
         h32[o_bt:] = 0
@@ -132,7 +128,13 @@ class DecodeGraphRunner:
             h32[o_bt + i * self.self_width:o_bt + i * self.self_width + len(s.block_ids)] = s.block_ids
             h32[o_cbt + i * self.cross_width:o_cbt + i * self.cross_width + len(s.cross_block_ids)] = \
                 s.cross_block_ids
-        self._dev64.copy_(self._host64, non_blocking=True)
-        self._dev32.copy_(self._host32, non_blocking=True)
+        self._dev64.copy_(host64, non_blocking=True)
+        self._dev32.copy_(host32, non_blocking=True)
+        if fill:
+            dst, src = zip(*fill)
+            self._dev64[list(dst)] = prev_tokens[list(src)]
+        if not replay:
+            return None
+        b = next(size for size in self.sizes if size >= n)
         self.graphs[b].replay()
         return self.logits[b][:n]

@@ -111,6 +111,9 @@ class EngineCore:
         self.scheduler = Scheduler(self.limits, plan.num_self_blocks, plan.num_cross_blocks)
         self._live: dict[str, _Tracked] = {}
         self._ids = itertools.count()
+        # Overlap: step N+1 is scheduled and launched while the GPU runs step N.
+        self.overlap = not args.disable_overlap_scheduler
+        self._inflight = None                      # (SchedulerOutput, PendingStep) not yet resolved
 
     # ---- requests -------------------------------------------------------------------------
     def make_request(self, prompt, params: SamplingParams | None, streaming: bool = False,
@@ -154,19 +157,46 @@ class EngineCore:
         return self._output(tracked, finished=True)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._inflight is not None
 
     # ---- the loop -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """schedule -> launch -> (overlap: resolve the previous step while this one runs)."""
+        if self._inflight is not None and self._needs_sync():
+            outputs = self._resolve_inflight()      # host-side logits processors need real tokens
+            return outputs + self.step()
         so = self.scheduler.schedule()
-        if so.is_empty:
+        launched = None
+        if not so.is_empty:
+            try:
+                launched = (so, self.runner.launch(so))
+            except Exception as e:  # noqa: BLE001 - fail this step's requests, keep serving the rest
+                logger.exception("engine step failed")
+                return self._resolve_inflight() + self._fail_step(so, f"engine error: {type(e).__name__}: {e}")
+            if not self.overlap:
+                return self._finish_step(*launched, self.scheduler.update)
+            self.scheduler.advance(so)
+        outputs = self._resolve_inflight()
+        self._inflight = launched
+        return outputs
+
+    def _resolve_inflight(self) -> list[RequestOutput]:
+        if self._inflight is None:
             return []
+        so, pending = self._inflight
+        self._inflight = None
+        return self._finish_step(so, pending, self.scheduler.resolve)
+
+    def _needs_sync(self) -> bool:
+        return any(getattr(t.params, "logits_processors", None) for t in self._live.values())
+
+    def _finish_step(self, so: SchedulerOutput, pending, apply) -> list[RequestOutput]:
         try:
-            ro = self.runner.execute(so)
-        except Exception as e:  # noqa: BLE001 - fail this step's requests, keep serving the rest
+            ro = pending.wait()
+        except Exception as e:  # noqa: BLE001 - an asynchronous device error surfaces here
             logger.exception("engine step failed")
             return self._fail_step(so, f"engine error: {type(e).__name__}: {e}")
-        finished = {r.request_id for r in self.scheduler.update(so, ro)}
+        finished = {r.request_id for r in apply(so, ro)}
         now = time.monotonic()
         touched = dict.fromkeys(s.request_id for s in so.seqs)
         for rid in touched:
@@ -179,7 +209,7 @@ class EngineCore:
             m.token_times.append(now)
             if tracked.streaming or tracked.params.stop:
                 for seq, detok in zip(tracked.request.seqs, tracked.detoks):
-                    detok.update(seq.output_token_ids)
+                    detok.update(seq.resolved_output_token_ids)
                     if detok.stop_matched is not None and not seq.is_finished:
                         if self.scheduler.finish_seq(seq, RequestStatus.FINISHED_STOPPED, detok.stop_matched):
                             finished.add(rid)
@@ -204,12 +234,13 @@ class EngineCore:
     def _output(self, tracked: _Tracked, finished: bool) -> RequestOutput:
         outs = []
         for seq, detok in zip(tracked.request.seqs, tracked.detoks):
+            ids = seq.resolved_output_token_ids
             if finished:
-                detok.finish(seq.output_token_ids)
+                detok.finish(ids)
             status = seq.status if seq.status.is_finished else (
                 RequestStatus.FINISHED_ABORTED if finished else seq.status)
             outs.append(CompletionOutput(
-                index=seq.index, text=detok.text, token_ids=list(seq.output_token_ids),
+                index=seq.index, text=detok.text, token_ids=list(ids),
                 finish_reason=status.finish_reason, stop_reason=seq.stop_reason,
                 cumulative_logprob=seq.cumulative_logprob if tracked.params.logprobs is not None else None,
                 logprobs=list(seq.logprobs) if seq.logprobs is not None else None))

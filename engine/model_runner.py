@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -14,9 +15,30 @@ from .attention import DecoderMetadata, EncoderMetadata, KVCache, get_attention_
 from .batch import ModelRunnerOutput, SampledToken, ScheduledEncode, ScheduledSeq, SchedulerOutput
 from .kv_sizing import kv_bytes_per_token, plan_kv_pools
 from .loader import load_model
-from .sampler import Sampler, SeqSamplingState
+from .request import PLACEHOLDER_TOKEN_ID
+from .sampler import DeviceSample, Sampler, SeqSamplingState
 
 logger = logging.getLogger("enc2dec")
+
+
+@dataclass
+class PendingStep:
+    """A launched step; ``wait()`` blocks until its sampled tokens are on the host."""
+
+    seq_ids: list[int]
+    sample: DeviceSample | None
+    event: "torch.cuda.Event | None" = None
+
+    def wait(self) -> ModelRunnerOutput:
+        if self.sample is None:
+            return ModelRunnerOutput()
+        if self.event is not None:
+            self.event.synchronize()
+        out = self.sample.output()
+        return ModelRunnerOutput({
+            seq_id: SampledToken(out.token_ids[i], out.logprobs[i] if out.logprobs is not None else 0.0,
+                                 out.top_logprobs[i] if out.top_logprobs is not None else None)
+            for i, seq_id in enumerate(self.seq_ids)})
 
 
 def _slots(block_ids: list[int], start: int, count: int, tokens_per_block: int) -> list[int]:
@@ -45,6 +67,8 @@ class ModelRunner:
                                    self.kv_plan.num_self_blocks, self.kv_plan.num_cross_blocks, dtype, device)
         self.sampler = Sampler()
         self.states: dict[str, dict[int, SeqSamplingState]] = {}
+        self._prev_tokens: torch.Tensor | None = None     # last step's samples, on the device
+        self._prev_rows: dict[int, int] = {}              # seq_id -> row in _prev_tokens
         self.graphs = self._maybe_capture(attn_backend, max_input_len)
 
     def _maybe_capture(self, attn_backend: str, max_input_len: int):
@@ -85,28 +109,45 @@ class ModelRunner:
 
     # ---- per step -------------------------------------------------------------------------
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self.launch(so).wait()
+
+    def launch(self, so: SchedulerOutput) -> "PendingStep":
+        """Enqueue a step's GPU work and return before it is done. A sequence whose input is
+        the placeholder token (overlap mode) reads its token from the previous step's samples,
+        which never leave the GPU for that purpose."""
         for rid in so.finished_request_ids:
             self.states.pop(rid, None)
         if so.encodes:
             self._register(so.encodes)
             self._run_encoder(so.encodes)
         if not so.seqs:
-            return ModelRunnerOutput()
+            return PendingStep([], None)
+        fill = self._placeholder_sources(so.seqs)
         if self.graphs is not None and self.graphs.can_run(so.seqs):
-            logits = self.graphs.run(so.seqs)                                      # [S, vocab]
+            logits = self.graphs.run(so.seqs, fill, self._prev_tokens)                               # [S, vocab]
         else:
-            input_ids, positions, meta = self._prepare_decode(so.seqs)
+            input_ids, positions, meta = self._prepare_decode(so.seqs, fill)
             hidden = self.model.decode(input_ids, positions, meta, self.kv)       # [N, d_model]
             logits = self.model.compute_logits(hidden[meta.last_token_indices])    # [S, vocab]
         states = [self.states[s.request_id][s.seq_id] for s in so.seqs]
-        out = self.sampler(logits, states, [s.num_output_tokens for s in so.seqs])
-        sampled = {}
-        for i, s in enumerate(so.seqs):
-            sampled[s.seq_id] = SampledToken(
-                out.token_ids[i],
-                out.logprobs[i] if out.logprobs is not None else 0.0,
-                out.top_logprobs[i] if out.top_logprobs is not None else None)
-        return ModelRunnerOutput(sampled)
+        sample = self.sampler.sample(logits, states, [s.num_output_tokens for s in so.seqs])
+        self._prev_tokens = sample.token_ids                                       # [S] stays on device
+        self._prev_rows = {s.seq_id: i for i, s in enumerate(so.seqs)}
+        event = None
+        if self.device.type == "cuda":
+            sample = sample.to_host(non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        return PendingStep([s.seq_id for s in so.seqs], sample, event)
+
+    def _placeholder_sources(self, seqs: list[ScheduledSeq]):
+        """(flat token index, row of the previous step's samples) for every placeholder input."""
+        fill, offset = [], 0
+        for s in seqs:
+            if s.input_token_ids[-1] == PLACEHOLDER_TOKEN_ID:
+                fill.append((offset + s.num_new_tokens - 1, self._prev_rows[s.seq_id]))
+            offset += s.num_new_tokens
+        return fill
 
     def _register(self, encodes: list[ScheduledEncode]) -> None:
         for enc in encodes:
@@ -144,7 +185,7 @@ class ModelRunner:
         enc_hidden = self.model.encode(inputs, meta)                # [num_enc_tokens, d_model]
         self.model.write_cross_kv(enc_hidden, meta, self.kv)
 
-    def _prepare_decode(self, seqs: list[ScheduledSeq]):
+    def _prepare_decode(self, seqs: list[ScheduledSeq], fill=()):
         dev, tpb = self.device, self.tokens_per_block
         ids, pos, slots, qsl, last = [], [], [], [0], []
         for s in seqs:
@@ -167,5 +208,8 @@ class ModelRunner:
             enc_lens_host=[s.encoder_len for s in seqs],
             last_token_indices=torch.tensor(last, dtype=torch.long, device=dev))
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        if fill:
+            dst, src = zip(*fill)
+            input_ids[list(dst)] = self._prev_tokens[list(src)]
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
         return input_ids, positions, meta

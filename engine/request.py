@@ -32,6 +32,10 @@ class RequestStatus(enum.Enum):
 
 _seq_counter = itertools.count()
 
+# With the overlap scheduler a sequence's newest token is appended before the GPU has
+# sampled it; this id stands in for it until Scheduler.resolve() writes the real one.
+PLACEHOLDER_TOKEN_ID = -1
+
 
 @dataclass
 class Sequence:
@@ -63,6 +67,12 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_hidden_tokens:]
+
+    @property
+    def resolved_output_token_ids(self) -> list[int]:
+        """Output ids without a trailing placeholder (a token the GPU is still sampling)."""
+        ids = self.token_ids[self.num_hidden_tokens:]
+        return ids[:-1] if ids and ids[-1] == PLACEHOLDER_TOKEN_ID else ids
 
     @property
     def num_output_tokens(self) -> int:

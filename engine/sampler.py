@@ -23,6 +23,8 @@ class SeqSamplingState:
     begin_suppress_token_ids: tuple[int, ...] = ()    # masked at the first generated position
     generator: torch.Generator | None = None
     min_tokens_mask_ids: tuple[int, ...] = field(default=())
+    # Output ids so far, kept (on the host) only for requests with logits processors.
+    processor_history: list[int] | None = None
 
     def __post_init__(self):
         self.min_tokens_mask_ids = tuple(sorted(set(self.eos_token_ids) | set(self.stop_token_ids)))
@@ -62,39 +64,96 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
 
 
+@dataclass
+class DeviceSample:
+    """A step's choices, still on the device; ``to_host`` turns them into a SamplerOutput."""
+
+    token_ids: torch.Tensor                     # [S] int64
+    want: list[int | None]                      # logprobs asked per row
+    chosen_logprobs: torch.Tensor | None = None  # [S]
+    top_ids: torch.Tensor | None = None         # [S, k]
+    top_vals: torch.Tensor | None = None
+
+    def to_host(self, non_blocking: bool = False) -> "DeviceSample":
+        """Start the device-to-host copies (pinned, asynchronous when ``non_blocking``)."""
+        move = (lambda t: None if t is None else t.to("cpu", non_blocking=non_blocking))
+        return DeviceSample(move(self.token_ids), self.want, move(self.chosen_logprobs),
+                            move(self.top_ids), move(self.top_vals))
+
+    def output(self) -> SamplerOutput:
+        token_ids = self.token_ids.tolist()
+        if self.chosen_logprobs is None:
+            return SamplerOutput(token_ids)
+        lps = self.chosen_logprobs.tolist()
+        ids = self.top_ids.tolist() if self.top_ids is not None else None
+        vals = self.top_vals.tolist() if self.top_vals is not None else None
+        tops: list[dict[int, float] | None] = []
+        for r, w in enumerate(self.want):
+            if w is None:
+                tops.append(None)
+                continue
+            top = dict(zip(ids[r][:w], vals[r][:w])) if w and ids is not None else {}
+            top[token_ids[r]] = lps[r]
+            tops.append(top)
+        return SamplerOutput(token_ids, lps, tops)
+
+
+def _apply_logits_processors(logits: torch.Tensor, states: list[SeqSamplingState], num_output_tokens: list[int],
+                             rows: list[int], owned: bool) -> torch.Tensor:
+    # logits: [S, V]. Never edit the model's (or a CUDA graph's) output buffer in place.
+    if not owned:
+        logits = logits.clone()
+    for r in rows:
+        st, n_out = states[r], num_output_tokens[r]
+        if st.processor_history is None or n_out == 0:
+            st.processor_history = []
+        del st.processor_history[n_out:]
+        for fn in st.params.logits_processors:
+            fn(st.processor_history, logits[r])
+    return logits
+
+
+def _record_processor_history(chosen: torch.Tensor, states: list[SeqSamplingState], rows: list[int]) -> None:
+    # A host sync, paid only by steps that hold requests with logits processors: they need
+    # the ids on the host to decide the next step's mask.
+    for r, token_id in zip(rows, chosen[rows].tolist()):
+        states[r].processor_history.append(token_id)
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, states: list[SeqSamplingState],
                  num_output_tokens: list[int]) -> SamplerOutput:
+        return self.sample(logits, states, num_output_tokens).output()
+
+    def sample(self, logits: torch.Tensor, states: list[SeqSamplingState],
+               num_output_tokens: list[int]) -> DeviceSample:
+        """Choose one token per row without waiting for the device."""
         # logits: [S, V] float32; num_output_tokens: tokens each row has produced so far
         rows, cols = _mask_indices(states, num_output_tokens)
         if rows:
             logits = logits.index_put((torch.tensor(rows, device=logits.device),
                                        torch.tensor(cols, device=logits.device)),
                                       torch.tensor(float("-inf"), device=logits.device))
+        processed = [r for r, st in enumerate(states) if st.params.logits_processors]
+        if processed:
+            logits = _apply_logits_processors(logits, states, num_output_tokens, processed, owned=bool(rows))
         greedy = [st.params.is_greedy for st in states]
         chosen = logits.argmax(dim=-1)                                      # [S]
         if not all(greedy):
             idx = [i for i, g in enumerate(greedy) if not g]
             chosen[idx] = self._sample(logits[idx], [states[i] for i in idx])
+        if processed:
+            _record_processor_history(chosen, states, processed)
         want = [st.params.logprobs for st in states]
         if all(w is None for w in want):
-            return SamplerOutput(chosen.tolist())
+            return DeviceSample(chosen, want)
         logp = logits.log_softmax(dim=-1)                                   # [S, V]
-        chosen_lp = logp.gather(1, chosen[:, None])[:, 0]
+        chosen_lp = logp.gather(1, chosen[:, None])[:, 0]                   # [S]
         top = max(w or 0 for w in want)
-        tops: list[dict[int, float]] = []
-        if top > 0:
-            vals, ids = logp.topk(top, dim=-1)
-            for r, w in enumerate(want):
-                tops.append({int(i): float(v) for i, v in zip(ids[r, :w or 0].tolist(), vals[r, :w or 0].tolist())})
-        else:
-            tops = [{} for _ in states]
-        token_ids = chosen.tolist()
-        lps = chosen_lp.tolist()
-        for r, w in enumerate(want):
-            if w is not None:
-                tops[r][token_ids[r]] = lps[r]
-        return SamplerOutput(token_ids, lps, [t if w is not None else None for t, w in zip(tops, want)])
+        if top == 0:
+            return DeviceSample(chosen, want, chosen_lp)
+        vals, ids = logp.topk(top, dim=-1)                                  # [S, top]
+        return DeviceSample(chosen, want, chosen_lp, ids, vals)
 
     @staticmethod
     def _sample(logits: torch.Tensor, states: list[SeqSamplingState]) -> torch.Tensor:
@@ -103,10 +162,11 @@ class Sampler:
         temp = torch.tensor([st.params.temperature if st.params.temperature is not None else 1.0
                              for st in states], device=dev, dtype=logits.dtype)
         logits = logits / temp[:, None]
-        top_k = torch.tensor([st.params.top_k or 0 for st in states], device=dev)
-        top_p = torch.tensor([st.params.top_p if st.params.top_p is not None else 1.0 for st in states],
-                             device=dev, dtype=logits.dtype)
-        if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
+        k_host = [st.params.top_k or 0 for st in states]
+        p_host = [st.params.top_p if st.params.top_p is not None else 1.0 for st in states]
+        if any(k > 0 for k in k_host) or any(p < 1.0 for p in p_host):   # decided on the host: no sync
+            top_k = torch.tensor(k_host, device=dev)
+            top_p = torch.tensor(p_host, device=dev, dtype=logits.dtype)
             logits = _filter_top_k_top_p(logits, top_k, top_p)
         probs = logits.softmax(dim=-1)
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; one RNG stream per seeded row.

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 
 @dataclass
@@ -31,6 +32,11 @@ class SamplingParams:
     logprobs: int | None = None          # top-k logprobs per token (0: only the sampled token's)
     detokenize: bool = True
     skip_special_tokens: bool = True
+    # Each is called as fn(output_token_ids, logits_row) for this request's row before greedy
+    # or random selection and edits logits_row ([vocab] float32) in place. Output ids exclude
+    # the decoder prefix. Processors run after the suppress lists; make them picklable objects
+    # (not lambdas) so requests can cross to tensor-parallel workers.
+    logits_processors: Optional[list[Callable]] = None
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -51,6 +57,12 @@ class SamplingParams:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        if self.logits_processors is not None:
+            self.logits_processors = list(self.logits_processors)
+            bad = [p for p in self.logits_processors if not callable(p)]
+            if bad:
+                raise ValueError(f"logits_processors must be callables fn(output_token_ids, logits_row); "
+                                 f"got {type(bad[0]).__name__}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is not None and any(not s for s in self.stop):

@@ -4,6 +4,12 @@ Pure Python (no torch). One step is ``schedule()`` -> model runner -> ``update()
 the two calls must alternate (``update`` of step N before ``schedule`` of step N+1),
 because ``schedule`` reads the tokens and ``num_computed_tokens`` that ``update`` writes.
 
+With the overlap scheduler the step is split: ``advance()`` right after step N is launched
+appends a placeholder token to each of its sequences (so step N+1 can be scheduled while
+the GPU still runs N and takes N's sampled ids from the GPU), and ``resolve()`` writes the
+real tokens once they arrive and applies the stop rules, one step late. A sequence that
+stopped at N may already be in step N+1: its extra token is dropped, never returned.
+
 Policy, in the order ``schedule()`` applies it:
 1. Running requests, oldest admission first: every live sequence gets self blocks for
    all its tokens. When the pool is short, the most recently admitted request is
@@ -22,7 +28,12 @@ from enc2dec.engine.admission import SchedulerLimits, admission_error  # noqa: F
 from enc2dec.engine.batch import (ModelRunnerOutput, SampledToken, ScheduledEncode,
                                   ScheduledSeq, SchedulerOutput)
 from enc2dec.engine.block_manager import BlockPool, blocks_needed
-from enc2dec.engine.request import Request, RequestStatus, Sequence
+from enc2dec.engine.request import PLACEHOLDER_TOKEN_ID, Request, RequestStatus, Sequence
+
+
+def _schedulable(req: Request) -> list[Sequence]:
+    """Live sequences that may take another step (not waiting for a resolve to end them)."""
+    return [s for s in req.seqs if not s.is_finished and s.num_output_tokens < req.max_output_tokens]
 
 
 @dataclass
@@ -132,14 +143,15 @@ class Scheduler:
 
     def _grow_self_blocks(self, req: Request, out: SchedulerOutput) -> bool:
         """Cover every live sequence's tokens, preempting newer requests; False if req itself went."""
-        num_missing = sum(self._num_missing_self_blocks(s) for s in req.live_seqs)
+        seqs = _schedulable(req)
+        num_missing = sum(self._num_missing_self_blocks(s) for s in seqs)
         while not self.self_pool.can_allocate(num_missing):
             victim = self.running[-1]
             self._preempt(victim)
             out.preempted_request_ids.append(victim.request_id)
             if victim is req:
                 return False
-        for seq in req.live_seqs:
+        for seq in seqs:
             seq.block_ids.extend(self.self_pool.allocate(self._num_missing_self_blocks(seq)))
         return True
 
@@ -164,7 +176,7 @@ class Scheduler:
 
     def _can_admit(self, req: Request, budget: _StepBudget) -> bool:
         lim, tpb = self.limits, self.limits.tokens_per_block
-        seqs = req.live_seqs
+        seqs = _schedulable(req)
         num_step_tokens = req.encoder_len + sum(s.num_new_tokens for s in seqs)
         num_self_blocks = sum(blocks_needed(s.num_tokens, tpb) + self._num_growth_blocks(req, s)
                               for s in seqs)
@@ -197,7 +209,7 @@ class Scheduler:
         self._emit_seqs(req, out, budget)
 
     def _emit_seqs(self, req: Request, out: SchedulerOutput, budget: _StepBudget) -> None:
-        for seq in req.live_seqs:
+        for seq in _schedulable(req):
             # cross_block_ids is shared, not copied: it is replaced, never mutated, while
             # the request lives. block_ids is copied: it grows in place next step.
             out.seqs.append(ScheduledSeq(
@@ -243,6 +255,41 @@ class Scheduler:
                     finished.append(done)
         return finished
 
+    def advance(self, sched_out: SchedulerOutput) -> None:
+        """Overlap mode: step ``sched_out`` is on the GPU; account its tokens as placeholders."""
+        for scheduled in sched_out.seqs:
+            entry = self._live_seqs.get(scheduled.seq_id)
+            if entry is None:
+                continue
+            seq = entry[1]
+            assert seq.num_tokens == scheduled.seq_len, f"seq {seq.seq_id} advanced twice"
+            seq.num_computed_tokens = scheduled.seq_len
+            seq.token_ids.append(PLACEHOLDER_TOKEN_ID)
+
+    def resolve(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[Request]:
+        """Overlap mode: write step ``sched_out``'s sampled tokens over their placeholders and
+        apply the stop rules; returns requests finished now."""
+        finished: list[Request] = []
+        for scheduled in sched_out.seqs:
+            entry = self._live_seqs.get(scheduled.seq_id)
+            if entry is None:
+                continue   # stopped at an earlier step, aborted, or finished meanwhile
+            req, seq = entry
+            index = scheduled.seq_len           # where advance() put the placeholder
+            if index >= seq.num_tokens or seq.token_ids[index] != PLACEHOLDER_TOKEN_ID:
+                continue   # preempted and re-fed, or resolved already
+            sampled = runner_out.sampled[scheduled.seq_id]
+            seq.token_ids[index] = sampled.token_id
+            seq.cumulative_logprob += sampled.logprob
+            if sampled.top_logprobs is not None:
+                seq.logprobs = (seq.logprobs or []) + [sampled.top_logprobs]
+            status, stop_reason = self._check_stop(req, seq, sampled.token_id, index + 1)
+            if status is not None:
+                done = self._finish(req, seq, status, stop_reason)
+                if done is not None:
+                    finished.append(done)
+        return finished
+
     @staticmethod
     def _append_token(seq: Sequence, sampled: SampledToken, seq_len: int) -> None:
         seq.num_computed_tokens = seq_len
@@ -254,17 +301,19 @@ class Scheduler:
             seq.logprobs.append(sampled.top_logprobs)
 
     @staticmethod
-    def _check_stop(req: Request, seq: Sequence,
-                    token_id: int) -> tuple[RequestStatus | None, int | None]:
-        """(finish status, stop_reason) after ``token_id`` was appended; (None, None) to go on."""
+    def _check_stop(req: Request, seq: Sequence, token_id: int,
+                    num_tokens: int | None = None) -> tuple[RequestStatus | None, int | None]:
+        """(finish status, stop_reason) once ``token_id`` is the sequence's token number
+        ``num_tokens`` (default: its last); (None, None) to go on."""
+        num_output = (seq.num_tokens if num_tokens is None else num_tokens) - seq.num_hidden_tokens
         # min_tokens holds back EOS and stop tokens alike (as vLLM does);
         # the length limit still applies.
-        if seq.num_output_tokens >= req.min_tokens:
+        if num_output >= req.min_tokens:
             if token_id in req.eos_token_ids and not req.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED, None    # the EOS stays in the output
             if token_id in req.stop_token_ids:
                 return RequestStatus.FINISHED_STOPPED, token_id
-        if seq.num_output_tokens >= req.max_output_tokens:
+        if num_output >= req.max_output_tokens:
             return RequestStatus.FINISHED_LENGTH, None
         return None, None
 
@@ -273,6 +322,8 @@ class Scheduler:
         """Finish ``seq`` and free its self blocks; retire ``req`` when it was the last live one."""
         seq.status = status
         seq.stop_reason = stop_reason
+        while seq.token_ids and seq.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
+            seq.token_ids.pop()   # a step past the stop, launched before the stop was known
         self.self_pool.free(seq.block_ids)
         seq.block_ids = []
         del self._live_seqs[seq.seq_id]

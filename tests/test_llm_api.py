@@ -196,3 +196,27 @@ def test_whisper_bad_audio(whisper):
         assert len(good.result(timeout=60).outputs[0].token_ids) == 4
         with pytest.raises(ValueError, match="max_input_len=1024 is too small for Whisper"):
             LLM(whisper, max_input_len=1024, kv_cache_config=KV)
+
+
+def test_overlap_scheduler_gives_the_same_tokens_and_never_emits_past_a_stop(t5_relu):
+    """Overlap launches step N+1 before step N's stop checks ran: the results must not change."""
+    prompts = [f"overlap {i} " + "y " * i for i in range(9)]
+    with LLM(t5_relu, dtype="float32", max_batch_size=8, max_input_len=32, kv_cache_config=KV,
+             disable_overlap_scheduler=True) as llm:
+        free = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+                            use_tqdm=False)
+    # Stop each prompt at a token it produces mid-way, so stops land while the next step is in flight.
+    params = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
+                             stop_token_ids=[o.outputs[0].token_ids[3 + i % 5]]) for i, o in enumerate(free)]
+    results = {}
+    for overlap_off in (True, False):
+        tiny = KvCacheConfig(cross_kv_cache_fraction=0.5, tokens_per_block=4, max_tokens=150)
+        with LLM(t5_relu, dtype="float32", max_batch_size=8, max_input_len=32, kv_cache_config=tiny,
+                 disable_overlap_scheduler=overlap_off) as llm:
+            assert llm.engine.overlap is (not overlap_off)
+            results[overlap_off] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason)
+                                    for o in llm.generate(prompts, params, use_tqdm=False)]
+            assert llm.engine.scheduler.self_pool.num_used_blocks == 0
+    assert results[True] == results[False]
+    for (ids, reason), p in zip(results[False], params):
+        assert reason == "stop" and ids[-1] == p.stop_token_ids[0] and ids.count(p.stop_token_ids[0]) == 1
