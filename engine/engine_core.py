@@ -98,12 +98,15 @@ class EngineCore:
             raise ValueError(f"max_input_len={max_input_len} exceeds the per-step encoder token budget "
                              f"(encoder_max_num_tokens={self.limits.encoder_max_num_tokens}, max_num_tokens="
                              f"{self.limits.max_num_tokens}): the whole encoder input must fit in one step")
+        # Built before the weights load: a checkpoint without start tokens fails fast.
         self.processor = InputProcessor(src.hf_config, src.generation_config, src.tokenizer, max_input_len,
                                         args.max_seq_len, src.feature_extractor)
         attn = _resolve_attn_backend(args.attn_backend, self.device)
         torch.manual_seed(args.seed)
         t0 = time.perf_counter()
-        self.runner = ModelRunner(args, src.hf_config, src.path, self.device, self.dtype, attn, max_input_len)
+        self.runner = ModelRunner(args, src.hf_config, src.path, self.device, self.dtype, attn, max_input_len,
+                                  src.feature_extractor)
+        self.processor.log_mel = self.runner.log_mel
         plan = self.runner.kv_plan
         logger.info("loaded %s (%s, %s, attention=%s) in %.1f s; KV: %s", args.model, self.device,
                     str(self.dtype).replace("torch.", ""), attn, time.perf_counter() - t0,

@@ -49,13 +49,14 @@ def _all_ints(*values) -> list[int]:
 
 class InputProcessor:
     def __init__(self, hf_config, generation_config, tokenizer, max_input_len: int,
-                 max_seq_len: int | None, feature_extractor=None):
+                 max_seq_len: int | None, feature_extractor=None, log_mel=None):
         self.config = hf_config
         self.gen = generation_config
         self.tokenizer = tokenizer
         self.max_input_len = max_input_len
         self.max_seq_len = max_seq_len
         self.feature_extractor = feature_extractor
+        self.log_mel = log_mel      # set on GPU: audio stays raw until the runner's batched log-mel
         self.is_whisper = hf_config.model_type == "whisper"
         self.vocab_size = hf_config.vocab_size
         g = generation_config
@@ -206,11 +207,16 @@ class InputProcessor:
                              f"{WHISPER_SAMPLE_SECONDS} s per request (use enc2dec transcribe for long audio)")
         if len(wave) == 0:
             raise ValueError("the audio clip is empty")
-        feats = fe(wave, sampling_rate=rate, return_tensors="np").input_features[0]   # [n_mels, 3000]
+        if self.log_mel is not None:
+            # The runner computes features on the GPU for the whole microbatch.
+            encoder_input = self.log_mel.pad(wave)                                    # [n_samples]
+        else:
+            encoder_input = fe(wave, sampling_rate=rate, return_tensors="np").input_features[0]  # [n_mels, 3000]
+            encoder_input = encoder_input.astype(np.float32)
         prefix = self._whisper_prefix(prompt.get("prompt"))
         max_out = self._cap_output(max_tokens, len(prefix))
-        enc_len = feats.shape[-1] // 2
-        return ProcessedInput(prompt.get("prompt") or "", [], feats.astype(np.float32), enc_len, prefix,
+        enc_len = fe.nb_max_frames // 2
+        return ProcessedInput(prompt.get("prompt") or "", [], encoder_input, enc_len, prefix,
                               len(prefix), max_out, seconds)
 
     @staticmethod

@@ -53,12 +53,17 @@ def _pad_table(tables: list[list[int]]) -> list[list[int]]:
 
 class ModelRunner:
     def __init__(self, args, hf_config, model_path, device: torch.device, dtype: torch.dtype,
-                 attn_backend: str, max_input_len: int):
+                 attn_backend: str, max_input_len: int, feature_extractor=None):
         self.args = args
         self.device = device
         self.dtype = dtype
         self.is_whisper = hf_config.model_type == "whisper"
         self.backend = get_attention_backend(attn_backend)
+        self.log_mel = None
+        if self.is_whisper and device.type == "cuda" and feature_extractor is not None:
+            from .log_mel import LogMel
+
+            self.log_mel = LogMel(feature_extractor, device)
         self.model = load_model(model_path, hf_config, self.backend, dtype, device, args.load_format)
         self.tokens_per_block = args.kv_cache_config.tokens_per_block
         self.kv_plan = self._plan_kv()
@@ -174,7 +179,10 @@ class ModelRunner:
             slots += _slots(e.cross_block_ids, 0, e.encoder_len, tpb)
         positions = None
         if self.is_whisper:
-            inputs = torch.stack([torch.as_tensor(e.encoder_input) for e in encodes]).to(dev, self.dtype)
+            inputs = torch.stack([torch.as_tensor(e.encoder_input) for e in encodes]).to(dev)
+            if inputs.dim() == 2:                       # raw 30 s waves: features on the device
+                inputs = self.log_mel(inputs)           # [B, n_mels, 3000]
+            inputs = inputs.to(self.dtype)
         else:
             flat = [t for e in encodes for t in e.encoder_input]
             inputs = torch.tensor(flat, dtype=torch.long, device=dev)

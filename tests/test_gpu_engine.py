@@ -52,3 +52,26 @@ def test_graphs_match_eager_in_bfloat16(flan_t5):
     with LLM(flan_t5, dtype="bfloat16", max_batch_size=16, kv_cache_config=KV, cuda_graph_config=None) as llm:
         eager = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     assert graphed == eager
+
+
+def test_whisper_float32_on_gpu_with_device_log_mel_matches_transformers(whisper):
+    import json
+
+    import numpy as np
+    from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration
+
+    hf = WhisperForConditionalGeneration.from_pretrained(whisper, dtype=torch.float32).cuda().eval()
+    with open(f"{whisper}/generation_config.json") as f:      # transformers 5.x drops these on load
+        for key, value in json.load(f).items():
+            if not hasattr(hf.generation_config, key):
+                setattr(hf.generation_config, key, value)
+    fe = WhisperFeatureExtractor.from_pretrained(whisper)
+    waves = [(np.random.RandomState(i).randn(16000 * (3 + 9 * i)) * 0.1).astype(np.float32) for i in range(3)]
+    with LLM(whisper, dtype="float32", attn_backend="triton", max_batch_size=4, kv_cache_config=KV) as llm:
+        assert llm.engine.runner.log_mel is not None
+        outs = llm.generate([{"prompt": "", "multi_modal_data": {"audio": [(w, 16000)]}} for w in waves],
+                            SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)
+    for wave, out in zip(waves, outs):
+        feats = fe(wave, sampling_rate=16000, return_tensors="pt").input_features.cuda()
+        ref = hf.generate(feats, max_new_tokens=12, language="en", task="transcribe").tolist()[0]
+        assert out.outputs[0].token_ids[:len(ref)] == ref
