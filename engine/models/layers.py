@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from enc2dec.engine.attention import DecoderMetadata, EncoderMetadata, LayerKV
+from enc2dec.kernels.activations import gated_gelu
+from enc2dec.kernels.norms import fused_add_rms_norm
 
 _gelu_tanh = functools.partial(F.gelu, approximate="tanh")
 
@@ -52,9 +54,19 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:   # one Triton kernel instead of five eager ones (same math, fp32 inside)
+            return fused_add_rms_norm(x, None, self.weight, self.eps)[0]
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(self.weight.dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): one kernel on the GPU outside float16, whose
+        residual stream needs transformers' clamp between the add and the norm."""
+        if x.is_cuda and x.dtype != torch.float16:
+            return fused_add_rms_norm(x, residual, self.weight, self.eps)
+        h = clamp_fp16(residual + x)
+        return self(h), h
 
 
 class MergedLinear(nn.Linear):
@@ -92,7 +104,10 @@ class GatedMLP(nn.Module):
         self.act = get_activation(act, option)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)              # [T, d_ff] each
+        gate_up = self.gate_up(x)                                # [T, 2 * d_ff]
+        if gate_up.is_cuda and self.act is _gelu_tanh:
+            return self.fc2(gated_gelu(gate_up, approximate="tanh"))   # one fused kernel
+        gate, up = gate_up.chunk(2, dim=-1)                      # [T, d_ff] each
         return self.fc2(self.act(gate) * up)
 
 

@@ -66,9 +66,11 @@ class T5Layer(nn.Module):
 
     def decode(self, h: torch.Tensor, meta: DecoderMetadata, self_kv: LayerKV, cross_kv: LayerKV,
                bias_table: torch.Tensor) -> torch.Tensor:
-        h = clamp_fp16(h + self.self_attn.decode(self.self_attn_norm(h), meta, self_kv, bias_table))
-        h = clamp_fp16(h + self.encoder_attn(self.encoder_attn_norm(h), meta, cross_kv))
-        return clamp_fp16(h + self.mlp(self.mlp_norm(h)))
+        # Each residual add rides in the next norm's kernel (RMSNorm.add_forward).
+        attn = self.self_attn.decode(self.self_attn_norm(h), meta, self_kv, bias_table)
+        x, h = self.encoder_attn_norm.add_forward(attn, h)
+        x, h = self.mlp_norm.add_forward(self.encoder_attn(x, meta, cross_kv), h)
+        return clamp_fp16(h + self.mlp(x))
 
 
 class T5Stack(nn.Module):
