@@ -50,10 +50,12 @@ def _resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
 
 
 def _resolve_attn_backend(name: str, device: torch.device) -> str:
+    if device.type != "cuda":
+        if name not in ("auto", "torch", "VANILLA"):
+            logger.info("attn_backend=%s runs its torch reference on the CPU", name)
+        return "torch"
     if name != "auto":
         return name
-    if device.type != "cuda":
-        return "torch"
     from enc2dec.kernels import triton_available
 
     return "triton" if triton_available() else "torch"

@@ -9,8 +9,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
-import tiny_models
+# Without a GPU, Triton kernels run in its CPU interpreter; the mode is read when triton is
+# first imported (torch and transformers may import it early), so set it before anything runs.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import tiny_models  # noqa: E402
 
 # No model hub here or in CI: fail fast instead of waiting on network timeouts.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

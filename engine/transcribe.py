@@ -1,0 +1,258 @@
+"""Transcribe audio files of any length with a Whisper ``LLM``: the library under
+``enc2dec transcribe``.
+
+    from enc2dec.engine import LLM, KvCacheConfig
+    from enc2dec.engine.transcribe import transcribe
+
+    with LLM("openai/whisper-base", kv_cache_config=KvCacheConfig(cross_kv_cache_fraction=0.5)) as llm:
+        for t in transcribe(llm, ["talk.mp3", "call.flac"], timestamps=True):
+            print(t.source, t.language, t.error or t.text)
+
+Every 30 s window of every file is one engine request; up to ``batch_size`` are in flight
+at once, so windows of many files (and, with ``strategy="chunked"``, of one long file)
+decode together in the engine's batches. A file that cannot be read or decoded gets
+``Transcript.error``; the others are unaffected. Long-form rules: ``longform.py``.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+from .audio import AudioError, load_audio, probe_duration_s, resample, to_mono
+from .longform import (MIN_WINDOW_S, WINDOW_S, Merged, chunk_starts, closed_pieces, merge_chunk, merged_pieces,
+                       monotonic, parse_window)
+from .sampling_params import SamplingParams
+from .whisper_rules import DetectLanguage, SuppressAtBegin, TimestampRules
+from .whisper_tokens import engine_whisper_info
+
+STRATEGIES = ("chunked", "sequential")
+TASKS = ("transcribe", "translate")
+MAX_WINDOW_TOKENS = 224          # per window, as the original Whisper: half the decoder context
+MAX_INITIAL_TIMESTAMP_INDEX = 50  # the first segment starts within 1.0 s of the window
+
+
+class Segment(NamedTuple):
+    start_s: float
+    end_s: float
+    text: str
+
+
+@dataclass
+class Transcript:
+    source: str
+    text: str = ""
+    segments: list[Segment] = field(default_factory=list)   # empty unless timestamps were asked
+    language: str | None = None
+    duration_s: float = 0.0
+    error: str | None = None
+    num_windows: int = 0                                      # engine requests made
+    num_tokens: int = 0                                       # tokens they generated
+
+
+class TranscribeProgress:
+    """Progress hooks (all optional); called from the event loop that runs ``transcribe``."""
+
+    def start(self, total_audio_s: float) -> None: ...
+    def advance(self, audio_s: float) -> None: ...
+    def file_done(self, transcript: Transcript) -> None: ...
+
+
+class _DecodeError(RuntimeError):
+    pass
+
+
+def transcribe(llm, sources: Sequence, *, language: str | None = None, task: str = "transcribe",
+               strategy: str = "chunked", timestamps: bool = False, batch_size: int = 32,
+               progress: TranscribeProgress | None = None) -> list[Transcript]:
+    """Transcripts in the order of ``sources`` (file paths, or ``(samples, sample_rate)``
+    arrays). ``language=None`` detects it per file on multilingual checkpoints. Raises
+    ``ValueError`` for bad options; per-file problems go to ``Transcript.error``."""
+    return asyncio.run(transcribe_async(llm, sources, language=language, task=task, strategy=strategy,
+                                        timestamps=timestamps, batch_size=batch_size, progress=progress))
+
+
+async def transcribe_async(llm, sources: Sequence, *, language: str | None = None, task: str = "transcribe",
+                           strategy: str = "chunked", timestamps: bool = False, batch_size: int = 32,
+                           progress: TranscribeProgress | None = None) -> list[Transcript]:
+    run = _Run(llm, language, task, strategy, timestamps, batch_size, progress or TranscribeProgress())
+    named = [(_name(s, i), s) for i, s in enumerate(sources)]
+    durations = {}
+    for name, src in named:
+        try:
+            durations[name] = len(src[0]) / src[1] if isinstance(src, tuple) else probe_duration_s(str(src))
+        except AudioError as e:
+            durations[name] = e
+    run.progress.start(sum(d for d in durations.values() if isinstance(d, float)))
+    return list(await asyncio.gather(*(run.file(name, src, durations[name]) for name, src in named)))
+
+
+def _name(source, index: int) -> str:
+    return f"<array {index}>" if isinstance(source, tuple) else str(source)
+
+
+class _Run:
+    def __init__(self, llm, language, task, strategy, timestamps, batch_size, progress):
+        self.llm = llm
+        self.tokens, fe, self.max_positions = engine_whisper_info(llm)
+        self.sample_rate = fe.sampling_rate
+        self.window_samples = int(round(WINDOW_S * self.sample_rate))
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy {strategy!r} is not valid; valid: {', '.join(STRATEGIES)}")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        self.tokens.check_task(task)
+        if timestamps and not self.tokens.has_timestamps:
+            raise ValueError("this checkpoint's vocabulary has no timestamp tokens; transcribe without timestamps")
+        if llm.tokenizer is None:
+            raise ValueError("transcribe needs the checkpoint's tokenizer (tokenizer.json) to decode text; "
+                             "this model has none")
+        self.language = self.tokens.language_code(language) if language else (
+            None if self.tokens.is_multilingual else "en")
+        if self.language is None and not self.tokens.languages:
+            raise ValueError("cannot detect the language: the generation config has no lang_to_id; "
+                             "pass a language (e.g. 'en')")
+        self.task, self.strategy, self.timestamps = task, strategy, timestamps
+        self.progress = progress
+        self.request_slots = asyncio.Semaphore(batch_size)
+        self.file_slots = asyncio.Semaphore(batch_size)
+        self._advanced: dict[int, float] = {}      # id(Transcript) -> audio seconds reported so far
+
+    # ---- one file --------------------------------------------------------------------------
+    async def file(self, name: str, source, duration) -> Transcript:
+        if isinstance(duration, AudioError):
+            return self._done(Transcript(name, error=str(duration)), 0.0)
+        async with self.file_slots:
+            try:
+                wave = await asyncio.to_thread(self._load, source)
+            except AudioError as e:
+                return self._done(Transcript(name, error=str(e)), duration)
+            t = Transcript(name, language=self.language, duration_s=len(wave) / self.sample_rate)
+            try:
+                decode = self._sequential if self.strategy == "sequential" else self._chunked
+                pieces = monotonic(await decode(wave, t), t.duration_s)
+            except (_DecodeError, ValueError) as e:
+                t.error = f"decoding failed: {e}"
+                return self._done(t, duration)
+            t.text = self._text([tok for p in pieces for tok in p.token_ids])
+            if self.timestamps:
+                t.segments = [Segment(round(p.start_s, 3), round(p.end_s, 3), text) for p in pieces
+                              if (text := self._text(p.token_ids))]
+            return self._done(t, duration)
+
+    def _done(self, t: Transcript, duration: float) -> Transcript:
+        # A failed or cut-short file still moves the bar to its full length.
+        self.progress.advance(max(0.0, duration - self._advanced.pop(id(t), 0.0)))
+        self.progress.file_done(t)
+        return t
+
+    def _advance(self, t: Transcript, seconds: float) -> None:
+        self._advanced[id(t)] = self._advanced.get(id(t), 0.0) + seconds
+        self.progress.advance(seconds)
+
+    def _load(self, source) -> np.ndarray:
+        if isinstance(source, tuple):
+            wave = resample(to_mono(source[0]), int(source[1]), self.sample_rate)
+            if wave.size == 0:
+                raise AudioError("the audio array is empty")
+            return wave
+        return load_audio(str(source), self.sample_rate)
+
+    def _text(self, ids: list[int]) -> str:
+        return self.llm.tokenizer.decode(self.tokens.text_ids(ids), skip_special_tokens=True).strip()
+
+    # ---- strategies ------------------------------------------------------------------------
+    async def _sequential(self, wave: np.ndarray, t: Transcript):
+        # One short window without timestamps decodes exactly as transformers' short-form
+        # generate; anything longer seeks by timestamps.
+        use_ts = self.timestamps or len(wave) > self.window_samples
+        seek, pieces = 0, []
+        while len(wave) - seek >= MIN_WINDOW_S * self.sample_rate or seek == 0:
+            window = wave[seek:seek + self.window_samples]
+            ids = await self._decode(window, t, use_ts)
+            start_s, length_s = seek / self.sample_rate, len(window) / self.sample_rate
+            result = parse_window(ids, self.tokens.eot, self.tokens.timestamp_begin, start_s, length_s, use_ts)
+            pieces += closed_pieces(result, start_s) if use_ts else result.pieces
+            step = max(1, int(round(result.consumed_s * self.sample_rate)))
+            self._advance(t, min(step, len(wave) - seek) / self.sample_rate)
+            seek += step
+        return pieces
+
+    async def _chunked(self, wave: np.ndarray, t: Transcript):
+        sr = self.sample_rate
+        starts = [int(round(s * sr)) for s in chunk_starts(len(wave) / sr)]
+        windows = [wave[s:s + self.window_samples] for s in starts]
+        ends = [s + len(w) for s, w in zip(starts, windows)]
+        new_audio_s = [(ends[i] - (ends[i - 1] if i else 0)) / sr for i in range(len(ends))]
+
+        async def one(i: int, language_known: asyncio.Future | None = None):
+            ids = await self._decode(windows[i], t, self.timestamps, language_known)
+            self._advance(t, new_audio_s[i])
+            return ids
+
+        language_known = asyncio.get_running_loop().create_future() if t.language is None else None
+        first = asyncio.ensure_future(one(0, language_known))
+        rest: list[asyncio.Future] = []
+        try:
+            if language_known is not None and len(windows) > 1:
+                # The other windows wait for the first one's language token, not its whole text.
+                await asyncio.wait([first, language_known], return_when=asyncio.FIRST_COMPLETED)
+                if first.done():
+                    first.result()          # raises the first window's failure
+            rest = [asyncio.ensure_future(one(i)) for i in range(1, len(windows))]
+            outputs = [await first] + list(await asyncio.gather(*rest))
+        except BaseException:
+            for f in [first, *rest]:
+                f.cancel()
+            raise
+        merged = Merged()
+        prev = (0, 0.0)
+        for i, ids in enumerate(outputs):
+            start_s, length_s = starts[i] / sr, len(windows[i]) / sr
+            pieces = parse_window(ids, self.tokens.eot, self.tokens.timestamp_begin, start_s, length_s,
+                                  self.timestamps).pieces
+            overlap_s = (ends[i - 1] - starts[i]) / sr if i else 0.0
+            merge_chunk(merged, pieces, overlap_s, prev, length_s)
+            prev = (sum(len(p.token_ids) for p in pieces), length_s)
+        return merged_pieces(merged)
+
+    # ---- one window = one engine request ----------------------------------------------------
+    async def _decode(self, window: np.ndarray, t: Transcript, use_ts: bool,
+                      language_known: asyncio.Future | None = None) -> list[int]:
+        tok = self.tokens
+        detect = t.language is None
+        prefix = tok.prefix(t.language, self.task, use_ts)
+        processors, begin = [], 0
+        if detect:
+            forced = tok.forced_after_language(self.task, use_ts)
+            begin = 1 + len(forced)
+            processors += [DetectLanguage(list(tok.languages.values()), forced),
+                           SuppressAtBegin(begin, tok.begin_suppress)]
+        if use_ts:
+            processors.append(TimestampRules(begin, tok.eot, tok.no_timestamps, tok.timestamp_begin,
+                                             MAX_INITIAL_TIMESTAMP_INDEX))
+        params = SamplingParams(max_tokens=min(MAX_WINDOW_TOKENS + begin, self.max_positions - len(prefix)),
+                                temperature=0.0, detokenize=False, logits_processors=processors or None)
+        prompt = {"prompt": "".join(self.llm.tokenizer.convert_ids_to_tokens(prefix)),
+                  "multi_modal_data": {"audio": [(window, self.sample_rate)]}}
+        async with self.request_slots:
+            handle = await asyncio.to_thread(self.llm.generate_async, prompt, params, streaming=detect)
+            try:
+                final = None
+                async for final in handle:
+                    ids = final.outputs[0].token_ids
+                    if detect and ids and t.language is None:
+                        t.language = next(c for c, i in tok.languages.items() if i == ids[0])
+                        if language_known is not None and not language_known.done():
+                            language_known.set_result(t.language)
+            except asyncio.CancelledError:
+                handle.abort()
+                raise
+        out = final.outputs[0] if final is not None else None
+        if final is None or final.error or out.finish_reason == "abort":
+            raise _DecodeError((final.error if final is not None else None) or "the engine aborted the request")
+        t.num_windows += 1
+        t.num_tokens += len(out.token_ids)
+        return out.token_ids[begin:]
