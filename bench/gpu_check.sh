@@ -19,7 +19,7 @@ run() {  # run NAME LIMIT ARGS...
   timeout "$limit" $B "$@" --report-json "$OUT/$name.json" >"$OUT/$name.log" 2>&1; echo "$name: exit $?"
 }
 echo "== pytest -m gpu"
-timeout ${TEST_LIMIT_S:-60} python -m pytest -m gpu -q -p no:cacheprovider tests/ >"$OUT/gpu_tests.log" 2>&1
+timeout ${TEST_LIMIT_S:-60} python -m pytest -m gpu -q -p no:cacheprovider tests/test_kernels_gpu.py tests/test_kernels.py tests/test_gpu_engine.py tests/test_bench.py >"$OUT/gpu_tests.log" 2>&1
 echo "exit $?"; grep -E "passed|failed" "$OUT/gpu_tests.log" | tail -1; grep -E "^FAILED|^ERROR" "$OUT/gpu_tests.log" | head -8
 echo "== flan-t5-large"
 run t5 60 $T5 --concurrency 1,8,32,64 --num-requests 8,32,64,128 --warmup 2
