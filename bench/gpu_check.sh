@@ -5,7 +5,13 @@
 # short table is printed last.      OUT=./gpu-out bench/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export OUT=${OUT:-./gpu-out}; mkdir -p "$OUT"
+export OUT=$(realpath -m "${OUT:-./gpu-out}"); mkdir -p "$OUT"
+# Run the committed tree only (work in progress beside it stays out of the measurement).
+if git rev-parse --verify -q HEAD >/dev/null; then
+  git rev-parse --short HEAD | tee "$OUT/commit.txt"
+  rm -rf /tmp/enc2dec-src && mkdir -p /tmp/enc2dec-src && git archive HEAD | tar -x -C /tmp/enc2dec-src
+  cd /tmp/enc2dec-src
+fi
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 HF_HUB_OFFLINE=1
 python -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || tail -3 "$OUT/install.log"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
