@@ -19,10 +19,16 @@ class SchedulerLimits:
     encoder_max_batch_size: int  # requests encoded in one step
     encoder_max_num_tokens: int  # encoder positions in one step
     tokens_per_block: int
+    # Feed decoder prompt tokens one per step, so every step is one token per sequence and can
+    # replay a CUDA graph (a Whisper prompt is 4 tokens; BART's start + forced BOS is 2). The
+    # samples after the inner prompt tokens are dropped.
+    feed_prompt_one_token_per_step: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
+            if isinstance(value, bool):
+                continue
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{f.name} must be a positive integer, got {value!r}")
 

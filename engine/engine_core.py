@@ -7,6 +7,7 @@ touches no engine state, so a bad request never disturbs the requests in flight.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -71,6 +72,7 @@ class _Tracked:
     detoks: list[IncrementalDetokenizer]
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     error: str | None = None
+    num_seen_tokens: int = 0     # output tokens of all sequences already reported
 
 
 class EngineCore:
@@ -113,6 +115,8 @@ class EngineCore:
         logger.info("loaded %s (%s, %s, attention=%s) in %.1f s; KV: %s", args.model, self.device,
                     str(self.dtype).replace("torch.", ""), attn, time.perf_counter() - t0,
                     plan.describe(max_input_len, args.max_seq_len or 256))
+        if self.runner.graphs is not None:
+            self.limits = dataclasses.replace(self.limits, feed_prompt_one_token_per_step=True)
         self.scheduler = Scheduler(self.limits, plan.num_self_blocks, plan.num_cross_blocks)
         self._live: dict[str, _Tracked] = {}
         self._ids = itertools.count()
@@ -210,8 +214,11 @@ class EngineCore:
                 continue
             m = tracked.metrics
             m.first_scheduled_time = m.first_scheduled_time or now
-            m.first_token_time = m.first_token_time or now
-            m.token_times.append(now)
+            num_tokens = sum(len(seq.resolved_output_token_ids) for seq in tracked.request.seqs)
+            if num_tokens > tracked.num_seen_tokens:   # not a step that only fed a prompt token
+                tracked.num_seen_tokens = num_tokens
+                m.first_token_time = m.first_token_time or now
+                m.token_times.append(now)
             if tracked.streaming or tracked.params.stop:
                 for seq, detok in zip(tracked.request.seqs, tracked.detoks):
                     detok.update(seq.resolved_output_token_ids)

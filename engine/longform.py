@@ -1,14 +1,15 @@
 """Long audio with a 30 s model: window plans, timestamp parsing and chunk merging.
 
-Pure Python on token ids and seconds (no torch, no engine), so every rule here is unit
-tested with hand-made token lists.
+Token ids, seconds and numpy (no torch, no engine), so every rule here is unit tested
+with hand-made token lists and synthetic signals.
 
 Two strategies (docs/transcribe.md compares them):
 - sequential: decode a 30 s window with timestamp tokens, keep the segments that closed,
   move the window to the end of the last closed segment, repeat. One window at a time per
   file, so a file decodes serially; the most accurate (no cut words, no merge).
-- chunked: fixed windows that overlap by ``CHUNK_OVERLAP_S``, all decoded at once, then
-  stitched where the token sequences of neighbouring windows agree inside the overlap.
+- chunked: windows that overlap by about ``CHUNK_OVERLAP_S`` (each start moved into the
+  nearest pause), all decoded at once, then stitched where the token sequences of
+  neighbouring windows agree inside the overlap.
 """
 from __future__ import annotations
 
@@ -16,10 +17,13 @@ import difflib
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .whisper_tokens import TIME_PRECISION_S
 
 WINDOW_S = 30.0
 CHUNK_OVERLAP_S = 5.0
+CHUNK_SEARCH_S = 2.0       # how far a chunk start may move to land in a pause
 MIN_WINDOW_S = 0.1        # shorter tails are not decoded (nothing to hear, easy to hallucinate on)
 
 
@@ -53,16 +57,38 @@ class Merged:
 
 
 # ---- window plans ---------------------------------------------------------------------------
-def chunk_starts(duration_s: float, window_s: float = WINDOW_S, overlap_s: float = CHUNK_OVERLAP_S) -> list[float]:
-    """Window starts covering the audio; the last window is pulled back to a full window
-    (a longer overlap) instead of ending on a short tail."""
-    if duration_s <= window_s:
-        return [0.0]
-    hop = window_s - overlap_s
-    n = math.ceil((duration_s - overlap_s) / hop)
-    starts = [i * hop for i in range(n)]
-    starts[-1] = min(starts[-1], duration_s - window_s)
-    return starts
+def frame_loudness(wave: np.ndarray, sample_rate: int, frame_s: float = 0.02, smooth_s: float = 0.2) -> np.ndarray:
+    """Mean power per ``frame_s`` frame, smoothed over ``smooth_s``: [num_frames]."""
+    frame = max(1, int(round(frame_s * sample_rate)))
+    n = len(wave) // frame
+    if n == 0:
+        return np.zeros(1, dtype=np.float32)
+    power = np.square(wave[:n * frame].astype(np.float32)).reshape(n, frame).mean(axis=1)   # [n]
+    width = max(1, int(round(smooth_s / frame_s)))
+    return np.convolve(power, np.ones(width, dtype=np.float32) / width, mode="same")
+
+
+def chunk_windows(wave: np.ndarray, sample_rate: int, window_s: float = WINDOW_S,
+                  overlap_s: float = CHUNK_OVERLAP_S, search_s: float = CHUNK_SEARCH_S) -> list[tuple[int, int]]:
+    """(start, end) sample ranges of overlapping windows covering the audio. Each window
+    after the first starts at the quietest point within ``search_s`` of where an overlap of
+    ``overlap_s`` would put it: a window that opens mid-sentence makes Whisper skip the
+    partial words and misplace every timestamp after them, one that opens in a pause does not."""
+    n, window = len(wave), int(round(window_s * sample_rate))
+    if n <= window:
+        return [(0, n)]
+    frame = int(round(0.02 * sample_rate))
+    loud = frame_loudness(wave, sample_rate)
+    spans, start = [], 0
+    while True:
+        end = min(start + window, n)
+        spans.append((start, end))
+        if end >= n:
+            return spans
+        lo = max(start + frame, end - int(round((overlap_s + search_s) * sample_rate)))
+        hi = max(lo + frame, end - int(round(max(overlap_s - search_s, 0.5) * sample_rate)))
+        f_lo, f_hi = lo // frame, min(max(hi // frame, lo // frame + 1), len(loud))
+        start = (f_lo + int(np.argmin(loud[f_lo:f_hi]))) * frame if f_lo < len(loud) else lo
 
 
 # ---- one window's tokens -> timed pieces ------------------------------------------------------

@@ -210,15 +210,18 @@ class Scheduler:
 
     def _emit_seqs(self, req: Request, out: SchedulerOutput, budget: _StepBudget) -> None:
         for seq in _schedulable(req):
+            start = seq.num_computed_tokens
+            end = start + 1 if (self.limits.feed_prompt_one_token_per_step
+                                and start < seq.num_hidden_tokens) else seq.num_tokens
             # cross_block_ids is shared, not copied: it is replaced, never mutated, while
             # the request lives. block_ids is copied: it grows in place next step.
             out.seqs.append(ScheduledSeq(
                 seq_id=seq.seq_id, request_id=req.request_id,
-                input_token_ids=seq.token_ids[seq.num_computed_tokens:],
+                input_token_ids=seq.token_ids[start:end],
                 start_pos=seq.num_computed_tokens, block_ids=list(seq.block_ids),
                 cross_block_ids=req.cross_block_ids, encoder_len=req.encoder_len,
                 num_output_tokens=seq.num_output_tokens))
-            budget.num_tokens += seq.num_new_tokens
+            budget.num_tokens += end - start
             budget.num_seqs += 1
             budget.num_growth_blocks += self._num_growth_blocks(req, seq)
 
@@ -243,8 +246,11 @@ class Scheduler:
             req, seq = entry
             # Only update() advances a sequence and only schedule() preempts, so a live
             # sequence is exactly as schedule() left it, unless the two calls stopped alternating.
-            assert seq.status is RequestStatus.RUNNING and seq.num_tokens == scheduled.seq_len, \
+            assert seq.status is RequestStatus.RUNNING and seq.num_computed_tokens == scheduled.start_pos, \
                 f"seq {seq.seq_id} changed since it was scheduled: schedule() ran twice before update()?"
+            if scheduled.seq_len < seq.num_tokens:
+                seq.num_computed_tokens = scheduled.seq_len   # an inner prompt token: no output yet
+                continue
             sampled = runner_out.sampled.get(scheduled.seq_id)
             assert sampled is not None, f"runner returned no token for seq {scheduled.seq_id}"
             self._append_token(seq, sampled, scheduled.seq_len)
@@ -262,9 +268,10 @@ class Scheduler:
             if entry is None:
                 continue
             seq = entry[1]
-            assert seq.num_tokens == scheduled.seq_len, f"seq {seq.seq_id} advanced twice"
+            assert seq.num_computed_tokens == scheduled.start_pos, f"seq {seq.seq_id} advanced twice"
             seq.num_computed_tokens = scheduled.seq_len
-            seq.token_ids.append(PLACEHOLDER_TOKEN_ID)
+            if scheduled.seq_len == seq.num_tokens:     # else an inner prompt token: no output
+                seq.token_ids.append(PLACEHOLDER_TOKEN_ID)
 
     def resolve(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[Request]:
         """Overlap mode: write step ``sched_out``'s sampled tokens over their placeholders and

@@ -22,7 +22,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from .audio import AudioError, load_audio, probe_duration_s, resample, to_mono
-from .longform import (MIN_WINDOW_S, WINDOW_S, Merged, chunk_starts, closed_pieces, merge_chunk, merged_pieces,
+from .longform import (MIN_WINDOW_S, WINDOW_S, Merged, chunk_windows, closed_pieces, merge_chunk, merged_pieces,
                        monotonic, parse_window)
 from .sampling_params import SamplingParams
 from .whisper_rules import DetectLanguage, SuppressAtBegin, TimestampRules
@@ -182,13 +182,14 @@ class _Run:
 
     async def _chunked(self, wave: np.ndarray, t: Transcript):
         sr = self.sample_rate
-        starts = [int(round(s * sr)) for s in chunk_starts(len(wave) / sr)]
-        windows = [wave[s:s + self.window_samples] for s in starts]
-        ends = [s + len(w) for s, w in zip(starts, windows)]
+        spans = chunk_windows(wave, sr)
+        starts, ends = [s for s, _ in spans], [e for _, e in spans]
+        windows = [wave[s:e] for s, e in spans]
         new_audio_s = [(ends[i] - (ends[i - 1] if i else 0)) / sr for i in range(len(ends))]
 
         async def one(i: int, language_known: asyncio.Future | None = None):
-            ids = await self._decode(windows[i], t, self.timestamps, language_known)
+            # A chunk after the first starts mid-speech: its first words may come late.
+            ids = await self._decode(windows[i], t, self.timestamps, language_known, cap_first_timestamp=i == 0)
             self._advance(t, new_audio_s[i])
             return ids
 
@@ -220,7 +221,7 @@ class _Run:
 
     # ---- one window = one engine request ----------------------------------------------------
     async def _decode(self, window: np.ndarray, t: Transcript, use_ts: bool,
-                      language_known: asyncio.Future | None = None) -> list[int]:
+                      language_known: asyncio.Future | None = None, cap_first_timestamp: bool = True) -> list[int]:
         tok = self.tokens
         detect = t.language is None
         prefix = tok.prefix(t.language, self.task, use_ts)
@@ -232,7 +233,7 @@ class _Run:
                            SuppressAtBegin(begin, tok.begin_suppress)]
         if use_ts:
             processors.append(TimestampRules(begin, tok.eot, tok.no_timestamps, tok.timestamp_begin,
-                                             MAX_INITIAL_TIMESTAMP_INDEX))
+                                             MAX_INITIAL_TIMESTAMP_INDEX if cap_first_timestamp else None))
         params = SamplingParams(max_tokens=min(MAX_WINDOW_TOKENS + begin, self.max_positions - len(prefix)),
                                 temperature=0.0, detokenize=False, logits_processors=processors or None)
         prompt = {"prompt": "".join(self.llm.tokenizer.convert_ids_to_tokens(prefix)),

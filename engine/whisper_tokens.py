@@ -101,8 +101,10 @@ class WhisperTokens:
     def prefix(self, language: str | None, task: str, timestamps: bool) -> list[int]:
         """The decoder prefix; ``language=None`` on a multilingual checkpoint gives only
         ``<|startoftranscript|>`` (the language is then detected as the first output token)."""
+        if self.is_multilingual and language is None:
+            return [self.sot]
         ids = [self.sot]
-        if self.is_multilingual and language is not None:
+        if self.is_multilingual:
             ids += [self.languages[language], self.tasks[task]]
         if not timestamps:
             ids.append(self.no_timestamps)

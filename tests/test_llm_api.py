@@ -220,3 +220,30 @@ def test_overlap_scheduler_gives_the_same_tokens_and_never_emits_past_a_stop(t5_
     assert results[True] == results[False]
     for (ids, reason), p in zip(results[False], params):
         assert reason == "stop" and ids[-1] == p.stop_token_ids[0] and ids.count(p.stop_token_ids[0]) == 1
+
+
+@pytest.mark.parametrize("family", ["bart", "whisper"])
+@pytest.mark.parametrize("overlap_off", [True, False])
+def test_prompt_fed_one_token_per_step_gives_the_same_tokens(family, overlap_off, request):
+    """With CUDA graphs the scheduler feeds decoder prompts (BART's start + forced BOS, Whisper's
+    4 tokens) one token per step; the outputs must not change. Forced here on the CPU."""
+    import dataclasses
+
+    path = request.getfixturevalue(family)
+    if family == "whisper":
+        rng = np.random.RandomState(0)
+        prompts = [{"prompt": "", "multi_modal_data": {"audio": [((rng.randn(16000 * s) * 0.1).astype(np.float32),
+                                                                   16000)]}} for s in (2, 5, 9)]
+    else:
+        prompts = ["one", "two words", "three words here"]
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    outs = {}
+    for one_by_one in (False, True):
+        with LLM(path, dtype="float32", max_batch_size=4, kv_cache_config=KV,
+                 disable_overlap_scheduler=overlap_off) as llm:
+            sched = llm.engine.scheduler
+            sched.limits = dataclasses.replace(sched.limits, feed_prompt_one_token_per_step=one_by_one)
+            res = llm.generate(prompts, params, use_tqdm=False)
+            outs[one_by_one] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in res]
+            assert all(o.metrics.first_token_time is not None for o in res)
+    assert outs[True] == outs[False]
