@@ -84,6 +84,13 @@ class InputProcessor:
         self.begin_suppress_token_ids = tuple(getattr(g, "begin_suppress_tokens", None) or ()) \
             if self.is_whisper else ()
         self.whisper_default_prefix = self._default_whisper_prefix() if self.is_whisper else []
+        for name in ("suppress_token_ids", "begin_suppress_token_ids"):
+            ids = getattr(self, name)
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:   # e.g. WhisperConfig defaults on a smaller vocabulary: drop them, say so
+                logger.warning("generation config %s %s lie outside the vocabulary (%d); ignored",
+                               name.replace("_token_ids", "_tokens"), bad[:5], self.vocab_size)
+                setattr(self, name, tuple(t for t in ids if 0 <= t < self.vocab_size))
 
     # ---- decoder prefix -------------------------------------------------------------------
     def _text_prefix(self) -> tuple[list[int], int]:

@@ -125,6 +125,17 @@ class LLM:
     def engine(self) -> EngineCore:
         return self._core
 
+    def kv_cache_usage(self) -> dict[str, dict[str, int]]:
+        """Blocks used / total per pool and tokens per block (a snapshot; for metrics)."""
+        sched, plan = self._core.scheduler, self._core.runner.kv_plan
+        return {name: {"used_blocks": pool.num_used_blocks, "total_blocks": pool.num_total_blocks,
+                       "tokens_per_block": plan.tokens_per_block}
+                for name, pool in (("self", sched.self_pool), ("cross", sched.cross_pool))}
+
+    def queue_stats(self) -> dict[str, int]:
+        """Waiting and running requests (a snapshot; for metrics)."""
+        return {"waiting": self._core.scheduler.num_waiting, "running": self._core.scheduler.num_running}
+
     # ---- public API -----------------------------------------------------------------------
     def generate(self, inputs, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True):

@@ -247,3 +247,11 @@ def test_prompt_fed_one_token_per_step_gives_the_same_tokens(family, overlap_off
             outs[one_by_one] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in res]
             assert all(o.metrics.first_token_time is not None for o in res)
     assert outs[True] == outs[False]
+
+
+def test_kv_cache_usage_reports_both_pools(t5_llm):
+    usage = t5_llm.kv_cache_usage()
+    assert set(usage) == {"self", "cross"}
+    assert usage["self"]["used_blocks"] == 0 and usage["self"]["total_blocks"] > 0
+    assert usage["cross"]["tokens_per_block"] == KV.tokens_per_block
+    assert t5_llm.queue_stats() == {"waiting": 0, "running": 0}
