@@ -255,3 +255,15 @@ def test_kv_cache_usage_reports_both_pools(t5_llm):
     assert usage["self"]["used_blocks"] == 0 and usage["self"]["total_blocks"] > 0
     assert usage["cross"]["tokens_per_block"] == KV.tokens_per_block
     assert t5_llm.queue_stats() == {"waiting": 0, "running": 0}
+
+
+@pytest.mark.parametrize("dtype", ["auto", "float16", "bfloat16"])
+def test_every_dtype_loads_and_generates(t5_relu, dtype):
+    import torch
+
+    with LLM(t5_relu, dtype=dtype, max_batch_size=2, kv_cache_config=KV) as llm:
+        expected = {"auto": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+        assert llm.engine.dtype == expected                  # auto on the CPU is float32
+        assert next(llm.engine.runner.model.parameters()).dtype == expected
+        out = llm.generate("dtype check", SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    assert len(out.outputs[0].token_ids) == 5
