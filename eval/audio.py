@@ -1,0 +1,119 @@
+"""Audio for the Whisper tasks: any clip a dataset row can hold, made 16 kHz mono float32.
+
+A row's audio is a file path (relative to the manifest's folder), a Hugging Face ``Audio``
+value (``{"array", "sampling_rate"}`` decoded, or ``{"path", "bytes"}`` undecoded) or a
+decoder object with ``get_all_samples()``. Files go through the project's loader
+(``enc2dec.engine.audio``, the one ``transcribe`` uses) when it and ``soxr`` are installed;
+otherwise ``soundfile`` reads them and other rates are resampled with an FFT resampler
+(band-limited, good enough for accuracy figures), so eval needs no ``soxr``.
+"""
+from __future__ import annotations
+
+import io
+import os
+
+import numpy as np
+
+SAMPLE_RATE = 16000
+MAX_SECONDS = 30.0     # the engine takes one 30 s window per request
+
+
+class AudioError(Exception):
+    """A clip that cannot be used; the row is counted as bad (under ``kind``), the run goes on."""
+
+    def __init__(self, message: str, kind: str = "unreadable audio"):
+        super().__init__(message)
+        self.kind = kind
+
+
+def _read_file(source) -> tuple[np.ndarray, int]:
+    try:
+        import soundfile
+    except ImportError:
+        raise AudioError("reading audio files needs soundfile: pip install soundfile") from None
+    try:
+        wave, rate = soundfile.read(source, dtype="float32", always_2d=False)
+    except Exception as e:  # noqa: BLE001 - libsndfile reports bad files in several types
+        raise AudioError(f"{type(e).__name__}: {e}") from None
+    return wave, int(rate)
+
+
+def _engine_loader():
+    """``enc2dec.engine.audio.load_audio`` when it can resample (soxr installed), else None."""
+    import importlib.util
+
+    if importlib.util.find_spec("soxr") is None:
+        return None
+    try:
+        from enc2dec.engine import audio
+    except ImportError:
+        return None
+    return audio
+
+
+def _decode(value, base_dir: str) -> tuple[np.ndarray, int]:
+    if isinstance(value, str):
+        path = value if os.path.isabs(value) else os.path.join(base_dir, value)
+        if not os.path.isfile(path):
+            raise AudioError(f"no such file: {path}")
+        engine_audio = _engine_loader()
+        if engine_audio is not None:
+            try:
+                return engine_audio.load_audio(path, SAMPLE_RATE), SAMPLE_RATE
+            except ValueError as e:      # its AudioError
+                raise AudioError(str(e)) from None
+        return _read_file(path)
+    if isinstance(value, dict):
+        if value.get("array") is not None:
+            if value.get("sampling_rate") is None:
+                raise AudioError("an audio mapping with 'array' needs 'sampling_rate'")
+            return np.asarray(value["array"], dtype=np.float32), int(value["sampling_rate"])
+        if value.get("bytes"):
+            return _read_file(io.BytesIO(value["bytes"]))
+        if value.get("path"):
+            return _decode(value["path"], base_dir)
+        raise AudioError("an audio mapping needs 'array' and 'sampling_rate', 'bytes' or 'path'")
+    if hasattr(value, "get_all_samples"):     # datasets >= 4 decodes through torchcodec
+        samples = value.get_all_samples()
+        return samples.data.numpy().astype(np.float32), int(samples.sample_rate)
+    raise AudioError(f"not an audio value: {type(value).__name__}")
+
+
+def _fft_resample(wave: np.ndarray, rate: int) -> np.ndarray:
+    n_out = round(len(wave) * SAMPLE_RATE / rate)
+    spectrum = np.fft.rfft(wave.astype(np.float64))
+    keep = min(len(spectrum), n_out // 2 + 1)
+    out = np.fft.irfft(spectrum[:keep], n=n_out) * (n_out / len(wave))
+    return out.astype(np.float32)
+
+
+def resample(wave: np.ndarray, rate: int) -> np.ndarray:
+    if rate == SAMPLE_RATE:
+        return wave
+    try:
+        import soxr
+
+        return soxr.resample(wave, rate, SAMPLE_RATE).astype(np.float32)
+    except ImportError:
+        return _fft_resample(wave, rate)
+
+
+def load_clip(value, base_dir: str = ".") -> np.ndarray:
+    """A row's audio as a 16 kHz mono float32 wave; raises ``AudioError`` for what cannot be used."""
+    wave, rate = _decode(value, base_dir)
+    wave = np.asarray(wave, dtype=np.float32)
+    if wave.ndim == 2:      # soundfile gives [frames, channels], torchcodec [channels, frames]
+        wave = wave.mean(axis=1 if wave.shape[0] > wave.shape[1] else 0)
+    if wave.ndim != 1 or wave.size == 0:
+        raise AudioError("the clip is empty", kind="empty audio")
+    if rate <= 0:
+        raise AudioError(f"bad sampling rate {rate}")
+    wave = resample(wave, rate)
+    if not np.isfinite(wave).all():
+        raise AudioError("the clip holds NaN or infinite samples")
+    seconds = len(wave) / SAMPLE_RATE
+    if seconds > MAX_SECONDS + 1e-3:
+        raise AudioError(f"the clip is {seconds:.1f} s long; the engine takes at most {MAX_SECONDS:g} s "
+                         "per request (cut it, or use enc2dec transcribe for long audio)",
+                         kind="audio too long")
+    return wave
