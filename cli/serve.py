@@ -1,0 +1,124 @@
+"""``enc2dec serve``: an OpenAI-compatible server (completions, Whisper transcriptions).
+
+A thin command: options in, ``enc2dec.serve.server.run_server`` does the work. FastAPI,
+uvicorn and pydantic are imported only when the command runs (the ``serve`` extra).
+Exit codes: 0 stopped cleanly, 1 the engine failed, 2 bad usage, a model or option the
+engine refuses, a port that cannot be bound, or a missing extra.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from typing import Annotated, Optional
+
+import typer
+
+HELP = """Serve a model over HTTP with OpenAI's API.
+
+Endpoints: POST /v1/completions, /v1/audio/transcriptions, /v1/audio/translations;
+GET /v1/models, /health (200 once the engine is up), /version, /metrics (Prometheus).
+SIGTERM drains: no new requests, in-flight ones finish, then exit. Details: docs/serve.md.
+
+Examples:
+
+  enc2dec serve google/flan-t5-small --config enc-dec-config.yaml
+
+  ENC2DEC_API_KEY=secret enc2dec serve openai/whisper-large-v3 --host 0.0.0.0
+    --port 8000 --max-queue 64
+"""
+
+REQUIRED_MODULES = ("fastapi", "uvicorn", "pydantic", "multipart", "prometheus_client")
+
+
+def _opt(help_text: str, panel: str, *names: str, **kw):
+    return typer.Option(*names, help=help_text, rich_help_panel=panel, **kw)
+
+
+S, E = "Server", "Engine"
+OptStr, OptInt, OptFloat = Optional[str], Optional[int], Optional[float]
+
+
+def serve(
+    model: Annotated[str, typer.Argument(help="Hugging Face folder or hub id (with --load-format dummy also a "
+                                              "known name such as google/flan-t5-small).")],
+    config: Annotated[OptStr, _opt("Engine YAML (LLM option names, e.g. the guide's enc-dec-config.yaml).",
+                                   E)] = None,
+    backend: Annotated[str, _opt("Only 'pytorch' (accepted for trtllm-serve command lines).", E)] = "pytorch",
+    load_format: Annotated[OptStr, _opt("auto (the checkpoint's weights) or dummy (random).", E)] = None,
+    dtype: Annotated[OptStr, _opt("auto, float32, float16 or bfloat16.", E)] = None,
+    device: Annotated[OptStr, _opt("auto, cpu, cuda or cuda:N.", E)] = None,
+    tokenizer: Annotated[OptStr, _opt("Tokenizer folder or id, if not the model's.", E)] = None,
+    max_batch_size: Annotated[OptInt, _opt("Most decoder sequences running at once.", E)] = None,
+    tp_size: Annotated[OptInt, _opt("Tensor-parallel GPUs.", E, "--tp-size", "--tp_size")] = None,
+    host: Annotated[str, _opt("Address to listen on (0.0.0.0 for every interface).", S)] = "127.0.0.1",
+    port: Annotated[int, _opt("Port (0 picks a free one; the log names it).", S)] = 8000,
+    api_key: Annotated[OptStr, _opt("Require 'Authorization: Bearer KEY' on every endpoint but /health.", S,
+                                    envvar="ENC2DEC_API_KEY", show_envvar=True)] = None,
+    served_model_name: Annotated[list[str] | None, _opt("Model name(s) clients use (default: MODEL). "
+                                                           "Repeatable.", S)] = None,
+    max_queue: Annotated[int, _opt("Requests waiting for a decode slot; beyond it 503 with Retry-After.", S)] = 256,
+    max_upload_mb: Annotated[float, _opt("Largest request body (audio upload or JSON), MB.", S)] = 25.0,
+    max_prompt_tokens: Annotated[OptInt, _opt("Longest prompt in tokens (default: the engine's "
+                                              "max_input_len).", S)] = None,
+    max_audio_s: Annotated[float, _opt("Longest audio upload in seconds (longer than 30 s is decoded in "
+                                       "windows, as enc2dec transcribe does).", S)] = 3600.0,
+    long_form_strategy: Annotated[str, _opt("Audio over 30 s or with timestamps: sequential (most accurate) or "
+                                            "chunked (windows of one file decoded at once).", S)] = "sequential",
+    drain_timeout: Annotated[float, _opt("SIGTERM: longest wait for requests in flight, seconds.", S)] = 600.0,
+    log_level: Annotated[str, _opt("critical, error, warning, info or debug (debug adds an access log).",
+                                   S)] = "info",
+) -> None:
+    missing = [m for m in REQUIRED_MODULES if not _importable(m)]
+    if missing:
+        typer.echo(f"error: enc2dec serve needs {', '.join(missing)}: pip install 'enc2dec[serve]'", err=True)
+        raise typer.Exit(2)
+    if backend != "pytorch":
+        typer.echo(f"error: --backend {backend!r} is not supported; valid: pytorch", err=True)
+        raise typer.Exit(2)
+    from enc2dec.serve.config import ServeConfig, build_llm_args
+
+    try:
+        cfg = ServeConfig(model=model, served_model_names=tuple(served_model_name or ()), host=host, port=port,
+                          api_key=api_key or None, max_queue=max_queue,
+                          max_upload_bytes=max(1, int(max_upload_mb * (1 << 20))),
+                          max_prompt_tokens=max_prompt_tokens, max_audio_s=max_audio_s,
+                          long_form_strategy=long_form_strategy,
+                          drain_timeout_s=drain_timeout, log_level=log_level)
+        llm_args = build_llm_args(model, config, load_format=load_format, dtype=dtype, device=device,
+                                  tokenizer=tokenizer, max_batch_size=max_batch_size,
+                                  tensor_parallel_size=tp_size)
+    except (ValueError, TypeError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    _setup_logging(cfg.log_level)
+    from enc2dec.serve.server import run_server
+
+    try:
+        code = run_server(cfg, llm_args)
+    except ValueError as e:             # the address cannot be bound
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    raise typer.Exit(code)
+
+
+def _importable(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
+def _setup_logging(level: str) -> None:
+    logger = logging.getLogger("enc2dec")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(level.upper())
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def register(app: typer.Typer) -> None:
+    app.command(name="serve", help=HELP, no_args_is_help=True)(serve)

@@ -1,0 +1,112 @@
+"""The FastAPI app: routes, error handlers, middleware and the engine's life cycle.
+
+The server listens at once and loads the engine in the background: /health answers 503
+(``loading``) until the engine is up, then 200, and 503 again while draining.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+from types import SimpleNamespace
+from typing import Any
+
+from .config import ServeConfig
+from .engine_front import EngineFront
+from .errors import install_handlers
+from .metrics import ServeMetrics
+from .middleware import ServeMiddleware
+
+logger = logging.getLogger("enc2dec.serve")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("enc2dec")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def build_app(config: ServeConfig, make_llm: Callable[[], Any] | None = None, llm_args=None):
+    """The ASGI app. ``make_llm`` builds the engine (called once, in a worker thread); by
+    default ``LLM.from_args(llm_args)``."""
+    from fastapi import FastAPI, Response
+    from fastapi.responses import JSONResponse
+
+    from . import audio, completions
+
+    if make_llm is None:
+        if llm_args is None:
+            raise ValueError("build_app needs make_llm or llm_args")
+
+        def make_llm():
+            from enc2dec.engine import LLM
+
+            return LLM.from_args(llm_args)
+
+    front = EngineFront(config, make_llm)
+    metrics = ServeMetrics(config.model_name, front.stats, lambda: front.num_in_flight)
+    front.metrics = metrics
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app):
+        loading = asyncio.ensure_future(front.start())
+        try:
+            yield
+        finally:
+            front.begin_drain()
+            await asyncio.shield(loading)       # a load in progress cannot be interrupted
+            await front.shutdown()
+
+    app = FastAPI(title="enc2dec", version=_version(), lifespan=lifespan,
+                  description="OpenAI-compatible server for encoder-decoder models")
+    app.state.front, app.state.metrics, app.state.config = front, metrics, config
+    app.state.http = SimpleNamespace(num_active=0)
+    install_handlers(app)
+    app.add_middleware(ServeMiddleware, api_key=config.api_key, max_body_bytes=config.max_upload_bytes,
+                       metrics=metrics, activity=app.state.http)
+    completions.register(app, front, config)
+    audio.register(app, front, config)
+
+    @app.get("/health")
+    async def health():
+        if front.is_ready:
+            return {"status": "ok"}
+        body = {"status": front.state}
+        if front.error:
+            body["error"] = front.error
+        headers = {"Retry-After": str(config.retry_after_s)} if front.state in ("loading", "draining") else None
+        return JSONResponse(body, status_code=503, headers=headers)
+
+    @app.get("/version")
+    async def version():
+        return {"version": _version()}
+
+    def model_card(name: str) -> dict:
+        info, extra = front.info, {}
+        if info is not None:
+            extra = {"model_type": info.model_type,
+                     "max_model_len": info.max_input_len if not info.is_whisper else info.max_decoder_positions}
+        return {"id": name, "object": "model", "created": created, "owned_by": "enc2dec", "root": config.model,
+                "parent": None, **extra}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card(name) for name in config.served_model_names]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        completions.check_model(config, name or None)
+        return model_card(name)
+
+    @app.get("/metrics")
+    async def prometheus():
+        content, content_type = metrics.render()
+        return Response(content, media_type=content_type)
+
+    return app

@@ -1,0 +1,225 @@
+"""POST /v1/audio/transcriptions and /v1/audio/translations (Whisper), as OpenAI takes them.
+
+Multipart fields: file, model, language (transcriptions only), prompt, response_format
+(json | text | srt | vtt | verbose_json), temperature, stream (json and text), and the
+extensions max_tokens / ignore_eos (vLLM's; ``enc2dec bench --url`` sends them).
+
+Two paths, both through the engine's async API:
+- direct: a clip of at most 30 s, no timestamps, language known (given, or an
+  English-only model; English when max_tokens / ignore_eos are sent without one, as the
+  engine's default prefix is): one engine request that honours temperature, max_tokens,
+  ignore_eos and a verbatim decoder prefix, and streams token by token;
+- long-form: anything else (longer audio, segments with timestamps, language
+  detection) goes through ``enc2dec.engine.transcribe`` as ``enc2dec transcribe`` does:
+  greedy, 30 s windows, timestamp rules. Its ``sequential`` strategy is the default here:
+  the most accurate, and a server gets its batching from concurrent requests anyway.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from typing import Annotated, Literal
+
+from fastapi import Form, Request, Response, UploadFile
+from fastapi.responses import PlainTextResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from .audio_input import decode_upload
+from .completions import check_model
+from .errors import APIError, bad_request
+from .streaming import SSE_DONE, ClientGone, event_stream, sse, sse_error, unless_disconnected
+from .subtitles import to_srt, to_vtt, verbose_segments
+
+WINDOW_S = 30.0
+ENCODER_POSITIONS_PER_S = 50          # Whisper: 1500 encoder positions per 30 s window
+TIMED_FORMATS = ("verbose_json", "srt", "vtt")
+SOT = "<|startoftranscript|>"
+
+
+class TranslationForm(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    file: UploadFile = Field(description="The audio file (WAV, FLAC, OGG, Opus or MP3)")
+    model: str | None = None
+    prompt: str | None = None
+    response_format: Literal["json", "text", "srt", "vtt", "verbose_json"] = "json"
+    temperature: float = Field(0.0, ge=0.0, le=1.0)
+    stream: bool = False
+    timestamp_granularities: list[Literal["segment"]] | None = Field(None, alias="timestamp_granularities[]")
+    max_tokens: int | None = Field(None, ge=1)
+    ignore_eos: bool = False
+
+
+class TranscriptionForm(TranslationForm):
+    language: str | None = None
+
+
+def register(app, front, config) -> None:
+    @app.post("/v1/audio/transcriptions")
+    async def transcribe(form: Annotated[TranscriptionForm, Form()], request: Request):
+        return await _handle(front, config, form, request, form.language, "transcribe")
+
+    @app.post("/v1/audio/translations")
+    async def translate(form: Annotated[TranslationForm, Form()], request: Request):
+        return await _handle(front, config, form, request, None, "translate")
+
+
+async def _handle(front, config, form, request, language: str | None, task: str):
+    from enc2dec.engine.whisper_tokens import engine_whisper_info
+
+    check_model(config, form.model)
+    if form.stream and form.response_format not in ("json", "text"):
+        raise bad_request(f"stream=true needs response_format json or text, not {form.response_format}", "stream")
+    front.check_accepting()
+    info, llm = front.info, front.llm
+    if not info.is_whisper:
+        raise bad_request(f"{config.model_name} is a {info.model_type} text model: use /v1/completions", "model")
+    tokens, fe, max_positions = engine_whisper_info(llm)
+    try:
+        tokens.check_task(task)
+        lang = tokens.language_code(language) if language else (None if tokens.is_multilingual else "en")
+    except ValueError as e:
+        raise bad_request(str(e), "language" if language and "language" in str(e) else "model") from None
+    wave = await asyncio.to_thread(decode_upload, await form.file.read(), form.file.filename, fe.sampling_rate)
+    duration_s = len(wave) / fe.sampling_rate
+    if duration_s > config.max_audio_s:
+        raise bad_request(f"the audio is {duration_s:.1f} s long; this server takes at most {config.max_audio_s:g} s "
+                          "per request (--max-audio-s)", "file", "audio_too_long")
+    timed = form.response_format in TIMED_FORMATS and tokens.has_timestamps
+    if form.prompt and not form.prompt.startswith(SOT):
+        raise bad_request("prompt (previous-text conditioning) is not supported by this server yet; omit it, or "
+                          f"pass a whole decoder prefix that starts with {SOT}", "prompt")
+    if lang is None and (form.max_tokens or form.ignore_eos):
+        lang = "en"       # the engine extensions mean one exact engine request: the engine's default language
+    direct = duration_s <= WINDOW_S and not timed and (lang is not None or bool(form.prompt))
+    if direct:
+        if form.prompt:
+            prefix = form.prompt
+        elif llm.tokenizer is not None:
+            prefix = "".join(llm.tokenizer.convert_ids_to_tokens(tokens.prefix(lang, task, False)))
+        elif lang == "en" and task == "transcribe":
+            prefix = ""          # no tokenizer (dummy weights): the engine's default prefix is this one
+        else:
+            raise bad_request("this model has no tokenizer (dummy weights): only English transcription", "model")
+        room = max_positions - (len(llm.tokenizer.encode(prefix, add_special_tokens=False)) if prefix
+                                else len(tokens.prefix(lang, task, False)))
+        return await _direct(front, request, form, wave, fe.sampling_rate, prefix, room, lang, task, duration_s)
+    if form.prompt or form.temperature > 0 or form.max_tokens or form.ignore_eos:
+        raise bad_request("prompt, temperature > 0, max_tokens and ignore_eos apply to clips of at most 30 s "
+                          "transcribed without timestamps (response_format json or text)"
+                          + (" with a language given" if lang is None else ""), "temperature")
+    return await _long_form(front, config, request, form, wave, fe.sampling_rate, lang, task, timed, duration_s)
+
+
+# ---- direct: one engine request -------------------------------------------------------------
+async def _direct(front, request, form, wave, rate, prefix, room, lang, task, duration_s):
+    """``room``: decoder positions left after the prefix (the engine would cap with a warning)."""
+    from enc2dec.engine import SamplingParams
+
+    tok = front.llm.tokenizer
+    if room < 1:
+        raise bad_request("the decoder prefix fills the model's whole position table", "prompt")
+    try:
+        params = SamplingParams(max_tokens=min(form.max_tokens or room, room), temperature=form.temperature,
+                                ignore_eos=form.ignore_eos)
+    except ValueError as e:
+        raise bad_request(str(e)) from None
+    prompt = {"prompt": prefix, "multi_modal_data": {"audio": [(wave, rate)]}}
+    if form.stream:
+        batch = await front.submit([prompt], params, streaming=True, offload=True)
+        return event_stream(request, batch, _events(front, batch, duration_s))
+    try:
+        (out,) = await unless_disconnected(request, front.generate([prompt], params, offload=True))
+    except ClientGone:
+        return Response(status_code=499)
+    c = out.outputs[0]
+    return _respond(form, task, lang, c.text.strip(), [], len(c.token_ids), duration_s, tok)
+
+
+async def _events(front, batch, duration_s: float):
+    """A delta event per engine step with new tokens (its text may be empty while a character is
+    incomplete, or always without a tokenizer), so clients can time every token."""
+    sent, num_tokens = "", 0
+    async for _, out in batch.stream():
+        if out.error:
+            try:
+                front.finish(out)
+            except APIError as e:
+                yield sse_error(e.status, e.message, e.code)
+            yield SSE_DONE
+            return
+        c = out.outputs[0]
+        text = c.text.lstrip()
+        delta = text[len(sent):] if text.startswith(sent) else ""
+        if delta or len(c.token_ids) > num_tokens:
+            yield sse({"type": "transcript.text.delta", "delta": delta})
+            sent, num_tokens = sent + delta, len(c.token_ids)
+        if out.finished:
+            front.finish(out)
+            yield sse(_done_event(c.text.strip(), duration_s, len(c.token_ids)))
+    yield SSE_DONE
+
+
+# ---- long-form: enc2dec.engine.transcribe ---------------------------------------------------
+async def _long_form(front, config, request, form, wave, rate, lang, task, timed, duration_s):
+    from enc2dec.engine.transcribe import transcribe_async
+
+    num_windows = max(1, math.ceil(duration_s / WINDOW_S))     # about: for the queue bound and the batch
+    front.check_accepting(num_windows)
+    t0 = time.monotonic()
+    with front.reserve(num_windows):
+        try:
+            (t,) = await unless_disconnected(request, transcribe_async(
+                front.llm, [(wave, rate)], language=lang, task=task, timestamps=timed, batch_size=num_windows,
+                strategy=config.long_form_strategy))
+        except ClientGone:
+            return Response(status_code=499)
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+    front.record_long_form(t.num_windows, t.num_tokens, time.monotonic() - t0, failed=bool(t.error))
+    if t.error:
+        raise APIError(500, f"transcription failed: {t.error}", code="engine_error")
+    if form.stream:
+        async def events():
+            if t.text:
+                yield sse({"type": "transcript.text.delta", "delta": t.text})
+            yield sse(_done_event(t.text, duration_s, t.num_tokens))
+            yield SSE_DONE
+        from fastapi.responses import StreamingResponse
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+    return _respond(form, task, t.language or lang or "en", t.text, t.segments, t.num_tokens, duration_s,
+                    front.llm.tokenizer)
+
+
+# ---- responses ------------------------------------------------------------------------------
+def _respond(form, task, lang, text, segments, num_tokens, duration_s, tokenizer):
+    from enc2dec.engine.transcribe import Segment
+    from enc2dec.engine.whisper_tokens import language_name
+
+    fmt = form.response_format
+    if fmt == "json":
+        return {"text": text, "usage": _usage(duration_s, num_tokens)}
+    if fmt == "text":
+        return PlainTextResponse(text)
+    segments = segments or ([Segment(0.0, round(duration_s, 3), text)] if text else [])
+    if fmt == "srt":
+        return PlainTextResponse(to_srt(segments))
+    if fmt == "vtt":
+        return PlainTextResponse(to_vtt(segments), media_type="text/vtt")
+    return {"task": task, "language": language_name(lang or "en").lower(), "duration": round(duration_s, 3),
+            "text": text, "segments": verbose_segments(segments, tokenizer, form.temperature),
+            "usage": {"type": "duration", "seconds": math.ceil(duration_s)}}
+
+
+def _done_event(text: str, duration_s: float, num_tokens: int) -> dict:
+    return {"type": "transcript.text.done", "text": text, "usage": _usage(duration_s, num_tokens)}
+
+
+def _usage(duration_s: float, output_tokens: int) -> dict:
+    # Input tokens: the encoder positions the audio fills (50 a second), not the padded 1500.
+    audio_tokens = math.ceil(duration_s * ENCODER_POSITIONS_PER_S)
+    return {"type": "tokens", "input_tokens": audio_tokens, "output_tokens": output_tokens,
+            "total_tokens": audio_tokens + output_tokens,
+            "input_token_details": {"audio_tokens": audio_tokens, "text_tokens": 0}}

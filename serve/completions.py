@@ -1,0 +1,129 @@
+"""POST /v1/completions: OpenAI's legacy completions, plain and streamed (SSE ending with [DONE]).
+
+Choice ``index`` is ``prompt_index * n + sample_index``, as OpenAI numbers them. Every
+response carries ``usage``: the plain one always, a stream on its last chunk (or, with
+``stream_options.include_usage``, on a final chunk with no choices, as OpenAI sends it).
+"""
+from __future__ import annotations
+
+from fastapi import Request, Response
+
+from .errors import APIError, bad_request
+from .protocol import CompletionRequest, LogprobFormatter, finish_reason, new_id, now_s, usage
+from .streaming import SSE_DONE, ClientGone, event_stream, sse, sse_error, unless_disconnected
+
+
+def check_model(config, name: str | None) -> None:
+    if not config.accepts_model(name):
+        raise APIError(404, f"The model `{name}` does not exist; this server serves "
+                       f"{', '.join(repr(n) for n in config.served_model_names)}", "model", "model_not_found")
+
+
+def check_prompt_lengths(front, prompts: list) -> None:
+    """--max-prompt-tokens, when tighter than the engine's own max_input_len (the engine checks that)."""
+    limit = front.config.max_prompt_tokens
+    if limit is None:
+        return
+    tok = front.llm.tokenizer if front.llm is not None else None
+    for i, p in enumerate(prompts):
+        n = len(p) if isinstance(p, list) else (len(tok.encode(p)) if tok is not None else 0)
+        if n > limit:
+            where = f"prompt {i}" if len(prompts) > 1 else "the prompt"
+            raise bad_request(f"{where} has {n} tokens; this server takes at most {limit} prompt tokens "
+                              "(--max-prompt-tokens)", "prompt", "context_length_exceeded")
+
+
+def register(app, front, config) -> None:
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, request: Request):
+        check_model(config, body.model)
+        prompts = body.prompts()
+        params = body.sampling_params()
+        if front.info is not None and front.info.is_whisper:
+            raise bad_request(f"{config.model_name} is a Whisper model: send audio to /v1/audio/transcriptions",
+                              "model")
+        check_prompt_lengths(front, prompts)
+        rid, created, name = new_id("cmpl"), now_s(), body.model or config.model_name
+        fmt = LogprobFormatter(front.llm.tokenizer if front.llm is not None else None)
+        try:
+            if body.stream:
+                batch = await front.submit(prompts, params, streaming=True)
+                return event_stream(request, batch, _events(front, batch, body, rid, created, name, fmt))
+            outs = await unless_disconnected(request, front.generate(prompts, params))
+        except ClientGone:
+            return Response(status_code=499)
+        except APIError as e:
+            if body.use_beam_search and e.status == 400 and "beam" in e.message:
+                if not e.message.startswith("beam search"):
+                    e.message = f"beam search is not available on this server: {e.message}"
+                e.param = "use_beam_search"
+            raise
+        choices = []
+        for i, out in enumerate(outs):
+            for c in out.outputs:
+                choices.append({"index": i * body.n + c.index, "text": c.text, "finish_reason":
+                                finish_reason(c.finish_reason), "stop_reason": c.stop_reason,
+                                "logprobs": fmt.format(c.token_ids, c.logprobs, body.logprobs)
+                                if body.logprobs is not None and c.logprobs is not None else None})
+        return {"id": rid, "object": "text_completion", "created": created, "model": name,
+                "choices": choices, "usage": _usage(outs)}
+
+
+def _usage(outs) -> dict:
+    return usage(sum(len(o.prompt_token_ids or ()) for o in outs),
+                 sum(len(c.token_ids) for o in outs for c in o.outputs))
+
+
+async def _events(front, batch, body: CompletionRequest, rid, created, model, fmt):
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    sent_text: dict[int, str] = {}
+    sent_tokens: dict[int, int] = {}
+    finished_choices: set[int] = set()
+    finals: dict[int, object] = {}
+
+    def chunk(choices: list, **extra) -> dict:
+        c = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
+        if include_usage:
+            c["usage"] = None
+        return {**c, **extra}
+
+    async for i, out in batch.stream():
+        if out.error:
+            try:
+                front.finish(out)
+            except APIError as e:
+                yield sse_error(e.status, e.message, e.code)
+            yield SSE_DONE
+            return
+        pending = []
+        for c in out.outputs:
+            key = i * body.n + c.index
+            prev = sent_text.get(key, "")
+            delta = c.text[len(prev):] if c.text.startswith(prev) else ""
+            is_last = c.finish_reason is not None and key not in finished_choices
+            new_ids = c.token_ids[sent_tokens.get(key, 0):]
+            if not delta and not new_ids and not is_last:
+                continue              # a chunk per engine step with new tokens, even if their text is held back
+            new_lps = (c.logprobs or [])[sent_tokens.get(key, 0):]
+            sent_text[key] = prev + delta
+            sent_tokens[key] = len(c.token_ids)
+            if is_last:
+                finished_choices.add(key)
+            pending.append(chunk([{
+                "index": key, "text": delta, "finish_reason": finish_reason(c.finish_reason) if is_last else None,
+                "logprobs": fmt.format(new_ids, new_lps, body.logprobs, len(prev))
+                if body.logprobs is not None and c.logprobs is not None else None}]))
+        if out.finished:
+            front.finish(out)
+            finals[i] = out
+        all_done = len(finals) == len(batch.handles)
+        if all_done and not include_usage:
+            if pending:
+                pending[-1]["usage"] = _usage(list(finals.values()))
+            else:
+                pending.append(chunk([], usage=_usage(list(finals.values()))))
+        for c in pending:
+            yield sse(c)
+    if include_usage:
+        yield sse(chunk([], usage=_usage(list(finals.values()))))
+    yield SSE_DONE

@@ -1,0 +1,81 @@
+"""Server options (everything but the engine's own, which are ``LlmArgs``).
+
+Pure Python: the CLI builds and validates this before fastapi or torch are imported, so a
+bad option is a usage error (exit 2) and never a half-started server.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+DEFAULT_CROSS_KV_FRACTION = 0.5
+API_KEY_ENV = "ENC2DEC_API_KEY"
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: str                              # what the engine loads (folder or hub id)
+    served_model_names: tuple[str, ...] = ()   # names clients use; default: the model argument
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None              # when set, every endpoint but /health needs "Bearer <key>"
+    max_queue: int = 256                    # requests waiting for a decode slot before 503s
+    max_upload_bytes: int = 25 << 20        # any request body (OpenAI's audio file limit is 25 MB)
+    max_prompt_tokens: int | None = None    # tighter than the engine's max_input_len, if set
+    max_audio_s: float = 3600.0             # longer uploads are refused (long-form decodes 30 s windows)
+    long_form_strategy: str = "sequential"  # audio over 30 s / timestamps: enc2dec.engine.transcribe's strategy
+    retry_after_s: int = 1                  # Retry-After on 503s
+    drain_timeout_s: float = 600.0          # SIGTERM: longest wait for in-flight requests
+    log_level: str = "info"
+
+    def __post_init__(self):
+        if not self.model:
+            raise ValueError("a model is required (a Hugging Face folder or hub id)")
+        if not self.served_model_names:
+            object.__setattr__(self, "served_model_names", (self.model,))
+        if any(not n for n in self.served_model_names):
+            raise ValueError("--served-model-name must not be empty")
+        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in [0, 65535] (0 picks a free port), got {self.port!r}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("--api-key must not be empty")
+        for name, lo in (("max_queue", 1), ("max_upload_bytes", 1), ("retry_after_s", 0)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < lo:
+                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {lo}, got {value!r}")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ValueError(f"--max-prompt-tokens must be >= 1, got {self.max_prompt_tokens}")
+        if not 0 < self.max_audio_s:
+            raise ValueError(f"--max-audio-s must be > 0, got {self.max_audio_s}")
+        if self.long_form_strategy not in ("sequential", "chunked"):
+            raise ValueError(f"--long-form-strategy {self.long_form_strategy!r} is not valid; valid: sequential, "
+                             "chunked")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"--drain-timeout must be >= 0, got {self.drain_timeout_s}")
+        valid = ("critical", "error", "warning", "info", "debug")
+        if self.log_level.lower() not in valid:
+            raise ValueError(f"--log-level {self.log_level!r} is not valid; valid: {', '.join(valid)}")
+        object.__setattr__(self, "log_level", self.log_level.lower())
+
+    @property
+    def model_name(self) -> str:
+        """The name reported in responses."""
+        return self.served_model_names[0]
+
+    def accepts_model(self, name: str | None) -> bool:
+        """A request may name any served name or the model argument; omitting it means the default."""
+        return not name or name in self.served_model_names or name == self.model
+
+
+def build_llm_args(model: str, config_path: str | None = None, **overrides):
+    """``LlmArgs`` from the YAML config plus command-line overrides (None: not given). A config
+    without ``kv_cache_config.cross_kv_cache_fraction`` gets 0.5, as bench does."""
+    from enc2dec.engine import LlmArgs
+
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    args = (LlmArgs.from_yaml(config_path, model=model, **overrides) if config_path
+            else LlmArgs.from_dict({}, model=model, **overrides))
+    if args.kv_cache_config.cross_kv_cache_fraction is None:
+        kv = dataclasses.replace(args.kv_cache_config, cross_kv_cache_fraction=DEFAULT_CROSS_KV_FRACTION)
+        args = dataclasses.replace(args, kv_cache_config=kv)
+    return args

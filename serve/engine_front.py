@@ -1,0 +1,232 @@
+"""The server's only door to the engine: load it, admit requests, await or stream them, abort.
+
+The engine is ``enc2dec.engine.LLM``: its own thread runs the step loop, and
+``generate_async`` returns a handle that is awaitable and async-iterable. This front adds
+what a server needs on top: a loading / ready / draining / failed state, a bound on the
+queue (503 beyond it), abort when the consumer goes away (so KV blocks are freed at once),
+and a metrics record for every finished request. Engine internals are read in one place,
+``model_info`` and ``engine_stats``, for the scheduler counters the LLM API does not expose.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from .config import ServeConfig
+from .errors import APIError, bad_request, unavailable
+
+logger = logging.getLogger("enc2dec.serve")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_type: str
+    is_whisper: bool
+    max_input_len: int | None             # encoder tokens (text models)
+    max_decoder_positions: int | None     # Whisper's decoder position table
+
+
+def model_info(llm) -> ModelInfo:
+    cfg, proc = llm.engine.hf_config, getattr(llm.engine, "processor", None)
+    is_whisper = cfg.model_type == "whisper"
+    return ModelInfo(cfg.model_type, is_whisper, getattr(proc, "max_input_len", None),
+                     getattr(cfg, "max_target_positions", None) if is_whisper else None)
+
+
+def engine_stats(llm) -> dict[str, int]:
+    """Queue depth, running requests and KV blocks per pool, read without locks (plain lengths)."""
+    sched = llm.engine.scheduler
+    stats = {"waiting": sched.num_waiting, "running": sched.num_running}
+    for pool in ("self", "cross"):
+        p = getattr(sched, f"{pool}_pool")
+        stats[f"{pool}_used"], stats[f"{pool}_free"] = p.num_used_blocks, p.num_free_blocks
+        stats[f"{pool}_total"] = p.num_total_blocks
+    return stats
+
+
+class EngineFront:
+    def __init__(self, config: ServeConfig, make_llm: Callable[[], Any], metrics=None):
+        self.config = config
+        self._make_llm = make_llm
+        self.metrics = metrics
+        self.llm = None
+        self.info: ModelInfo | None = None
+        self.state = "loading"           # loading -> ready -> draining; or failed
+        self.error: str | None = None
+        self.num_in_flight = 0           # engine requests submitted and not yet consumed to the end
+        self.failed_on_input = False
+
+    # ---- life cycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        try:
+            llm = await asyncio.to_thread(self._make_llm)
+            self.info = model_info(llm)
+        except Exception as e:  # noqa: BLE001 - any load failure makes the server unhealthy
+            logger.error("the engine failed to start: %s: %s", type(e).__name__, e)
+            self.state, self.error = "failed", f"{type(e).__name__}: {e}"
+            self.failed_on_input = isinstance(e, ValueError)      # a bad model or option, not a crash
+            return
+        self.llm = llm
+        if self.state == "loading":
+            self.state = "ready"
+        logger.info("engine ready: %s (%s)", self.config.model, self.info.model_type)
+
+    def begin_drain(self) -> None:
+        if self.state in ("ready", "loading"):
+            self.state = "draining"
+
+    async def shutdown(self) -> None:
+        if self.llm is not None:
+            llm, self.llm = self.llm, None
+            await asyncio.to_thread(llm.shutdown)
+
+    @property
+    def is_ready(self) -> bool:
+        return self.state == "ready" and self.llm is not None
+
+    def stats(self) -> dict[str, int] | None:
+        return engine_stats(self.llm) if self.llm is not None else None
+
+    # ---- admission ----------------------------------------------------------------------------
+    def check_accepting(self, num_requests: int = 1) -> None:
+        """503 while loading, draining or failed, and when the queue is full."""
+        retry = self.config.retry_after_s
+        if self.state == "draining":
+            raise unavailable("the server is shutting down and takes no new requests", retry)
+        if self.state == "failed":
+            raise APIError(503, f"the engine failed: {self.error}", code="engine_failed")
+        if not self.is_ready:
+            raise unavailable("the model is still loading; retry shortly", retry)
+        stats = self.stats()
+        waiting = max(0, self.num_in_flight - stats["running"])
+        if waiting + num_requests > self.config.max_queue:
+            if self.metrics is not None:
+                self.metrics.rejected_overload.inc()
+            raise unavailable(f"the server is overloaded ({waiting} requests queued, --max-queue "
+                              f"{self.config.max_queue}); retry later", retry)
+
+    async def _submit(self, prompt, params, streaming: bool, offload: bool):
+        """``generate_async`` (in a worker thread when ``offload``: audio features take a while).
+        A ValueError is the user's mistake (400); a dead engine is a 500."""
+        llm = self.llm
+        try:
+            if not offload:
+                return llm.generate_async(prompt, params, streaming=streaming)
+            task = asyncio.ensure_future(asyncio.to_thread(llm.generate_async, prompt, params, streaming))
+            try:
+                return await asyncio.shield(task)
+            except asyncio.CancelledError:       # the client left while we prepared the input
+                task.add_done_callback(lambda t: t.exception() is None and t.result().abort())
+                raise
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+        except RuntimeError as e:                # the LLM was shut down, or its engine thread died
+            if "shut down" in str(e):
+                raise unavailable("the server is shutting down and takes no new requests",
+                                  self.config.retry_after_s) from None
+            self.state, self.error = "failed", str(e)
+            raise APIError(500, f"engine error: {e}", code="engine_error") from None
+
+    async def submit(self, prompts: list, params, streaming: bool, offload: bool = False) -> Batch:
+        """Submit every prompt, all or none: a bad one aborts those already in (400 names it)."""
+        self.check_accepting(len(prompts))
+        batch = Batch(self, len(prompts))
+        try:
+            for i, prompt in enumerate(prompts):
+                try:
+                    batch.handles.append(await self._submit(prompt, params, streaming, offload))
+                except APIError as e:
+                    if len(prompts) > 1 and e.status == 400:
+                        e.message = f"prompt {i}: {e.message}"
+                    raise
+        except BaseException:
+            batch.close()
+            raise
+        return batch
+
+    @contextmanager
+    def reserve(self, num_requests: int):
+        """Count engine requests made by a library call (long-form transcription) as in flight."""
+        self.num_in_flight += num_requests
+        try:
+            yield
+        finally:
+            self.num_in_flight -= num_requests
+
+    def record_long_form(self, num_windows: int, num_tokens: int, seconds: float, failed: bool) -> None:
+        if self.metrics is not None:
+            self.metrics.finished.labels(reason="error" if failed else "stop").inc(num_windows)
+            self.metrics.generation_tokens.inc(num_tokens)
+            self.metrics.e2e.observe(seconds)
+
+    def finish(self, out) -> None:
+        """Record a final output; raise a 500 when the engine failed the request."""
+        if self.metrics is not None:
+            self.metrics.observe_output(out)
+        if out.error:
+            raise APIError(500, out.error if out.error.startswith("engine") else f"engine error: {out.error}",
+                           code="engine_error")
+
+    async def generate(self, prompts: list, params, offload: bool = False) -> list:
+        """Final outputs of every prompt, in order; cancelling the caller aborts them."""
+        batch = await self.submit(prompts, params, streaming=False, offload=offload)
+        try:
+            outs = [await h for h in batch.handles]
+        finally:
+            batch.close()
+        for out in outs:
+            self.finish(out)
+        return outs
+
+
+class Batch:
+    """The engine requests of one HTTP request. ``close()`` (idempotent) aborts the unfinished
+    ones, so a client that leaves frees its KV blocks at the engine's next step."""
+
+    def __init__(self, front: EngineFront, num_requests: int):
+        self.front = front
+        self.handles: list = []
+        self._num = num_requests
+        self._closed = False
+        front.num_in_flight += num_requests
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.front.num_in_flight -= self._num
+        metrics = self.front.metrics
+        for h in self.handles:
+            if not h.done():
+                h.abort()
+                if metrics is not None:
+                    metrics.finished.labels(reason="cancelled").inc()
+
+    async def stream(self) -> AsyncIterator[tuple[int, Any]]:
+        """(prompt index, cumulative RequestOutput) as each arrives, all prompts interleaved."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i, handle):
+            try:
+                async for out in handle:
+                    queue.put_nowait((i, out))
+            finally:
+                queue.put_nowait((i, None))
+
+        tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(self.handles)]
+        try:
+            remaining = len(tasks)
+            while remaining and not self._closed:
+                i, out = await queue.get()
+                if out is None:
+                    remaining -= 1
+                    continue
+                yield i, out
+        finally:
+            for t in tasks:
+                t.cancel()
+            self.close()

@@ -1,0 +1,92 @@
+"""Prometheus metrics, one registry per app (so several servers can live in one process).
+
+Counters and histograms are updated as requests finish; queue depth, running requests and
+KV blocks are read from the engine when /metrics is scraped, so they are never stale.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+# Seconds: CPU tests sit at the low end, 30 s Whisper windows on a busy GPU at the high end.
+TTFT_BUCKETS_S = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+E2E_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class ServeMetrics:
+    def __init__(self, model_name: str, engine_stats: Callable[[], dict | None], num_in_flight: Callable[[], int]):
+        from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+
+        disable_created_metrics()        # no *_created series: noise for every scraper we know
+
+        self.registry = CollectorRegistry(auto_describe=True)
+        reg = self.registry
+        self.requests = Counter("enc2dec_http_requests", "HTTP requests answered, by endpoint and status code",
+                                ["endpoint", "status"], registry=reg)
+        self.finished = Counter("enc2dec_request_finished", "Engine requests ended, by finish reason "
+                                "(stop, length, abort = engine error, cancelled = client left)", ["reason"],
+                                registry=reg)
+        self.rejected_overload = Counter("enc2dec_request_rejected_overload",
+                                         "Requests refused with 503 because the queue was full", registry=reg)
+        self.prompt_tokens = Counter("enc2dec_prompt_tokens", "Encoder input tokens of finished requests",
+                                     registry=reg)
+        self.generation_tokens = Counter("enc2dec_generation_tokens", "Output tokens of finished requests",
+                                         registry=reg)
+        self.ttft = Histogram("enc2dec_time_to_first_token_seconds", "Arrival to first output token",
+                              buckets=TTFT_BUCKETS_S, registry=reg)
+        self.e2e = Histogram("enc2dec_e2e_request_latency_seconds", "Arrival to last output token",
+                             buckets=E2E_BUCKETS_S, registry=reg)
+        reg.register(_EngineCollector(model_name, engine_stats, num_in_flight))
+
+    def observe_output(self, out) -> None:
+        """One finished RequestOutput (engine timestamps, so queueing time is included)."""
+        m = out.metrics
+        if out.error:
+            self.finished.labels(reason="error").inc()
+        else:
+            for c in out.outputs:
+                self.finished.labels(reason=c.finish_reason or "unknown").inc()
+        self.prompt_tokens.inc(len(out.prompt_token_ids or ()))
+        self.generation_tokens.inc(sum(len(c.token_ids) for c in out.outputs))
+        if m.first_token_time is not None and m.arrival_time:
+            self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
+        if m.finished_time is not None and m.arrival_time:
+            self.e2e.observe(max(0.0, m.finished_time - m.arrival_time))
+
+    def render(self) -> tuple[bytes, str]:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _EngineCollector:
+    """Gauges read at scrape time."""
+
+    def __init__(self, model_name, engine_stats, num_in_flight):
+        self._model, self._stats, self._in_flight = model_name, engine_stats, num_in_flight
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        stats = self._stats() or {}
+        yield _gauge(GaugeMetricFamily, "enc2dec_num_requests_in_flight",
+                     "Engine requests the server has submitted and not yet answered", self._in_flight())
+        if not stats:
+            return
+        yield _gauge(GaugeMetricFamily, "enc2dec_num_requests_waiting", "Requests queued in the engine "
+                     "(not yet encoded)", stats["waiting"])
+        yield _gauge(GaugeMetricFamily, "enc2dec_num_requests_running", "Requests decoding in the engine",
+                     stats["running"])
+        for kind, doc in (("used", "held by requests"), ("free", "free"), ("total", "in the pool")):
+            g = GaugeMetricFamily(f"enc2dec_kv_blocks_{kind}", f"KV cache blocks {doc}, per pool", labels=["pool"])
+            for pool in ("self", "cross"):
+                g.add_metric([pool], stats[f"{pool}_{kind}"])
+            yield g
+
+
+def _gauge(cls, name, doc, value):
+    g = cls(name, doc)
+    g.add_metric([], value)
+    return g

@@ -1,0 +1,142 @@
+"""OpenAI request models (pydantic) and the response shapes built from RequestOutputs.
+
+Unknown fields are refused (400 names them) rather than silently ignored: a client that
+sends ``frequency_penalty`` expects it to do something. Fields OpenAI defines but this
+engine cannot honour are accepted only at their neutral value.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
+from .errors import bad_request
+
+TokenIds = list[StrictInt]
+Prompt = Union[str, list[str], TokenIds, list[TokenIds]]
+MAX_LOGPROBS = 20
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class CompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: Prompt
+    max_tokens: int | None = Field(16, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)          # -1 or 0: off (vLLM's and TensorRT-LLM's convention)
+    seed: int | None = None
+    n: int = Field(1, ge=1, le=64)
+    best_of: int | None = Field(None, ge=1)
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool = False
+    stop: str | list[str] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    include_stop_str_in_output: bool = False
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    echo: bool = False
+    suffix: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    def prompts(self) -> list:
+        """One entry per engine request: strings or token-id lists."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise bad_request("prompt must not be empty", "prompt")
+        if isinstance(p[0], int):
+            return [list(p)]
+        if any(isinstance(x, list) and not x for x in p):
+            raise bad_request("prompt must not contain an empty token list", "prompt")
+        return list(p)
+
+    def sampling_params(self):
+        from enc2dec.engine import SamplingParams
+
+        for name in ("echo", "suffix", "presence_penalty", "frequency_penalty", "logit_bias"):
+            if getattr(self, name):      # accepted only at the neutral value (False, None, 0, {})
+                raise bad_request(f"{name} is not supported by this server; omit it", name)
+        if self.best_of is not None and self.best_of != self.n and not self.use_beam_search:
+            raise bad_request(f"best_of={self.best_of} with n={self.n} needs use_beam_search=true (ranking "
+                              "sampled candidates is not supported); omit best_of or set it equal to n", "best_of")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed with stream=true", "stream_options")
+        try:
+            return SamplingParams(
+                max_tokens=self.max_tokens or 16, temperature=self.temperature, top_p=self.top_p,
+                top_k=None if self.top_k in (None, -1, 0) else self.top_k, seed=self.seed, n=self.n,
+                best_of=self.best_of if self.use_beam_search else None, use_beam_search=self.use_beam_search,
+                length_penalty=self.length_penalty, early_stopping=self.early_stopping, stop=self.stop,
+                stop_token_ids=self.stop_token_ids, include_stop_str_in_output=self.include_stop_str_in_output,
+                min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, logprobs=self.logprobs,
+                skip_special_tokens=self.skip_special_tokens)
+        except ValueError as e:
+            raise bad_request(str(e), _param_of(str(e))) from None
+
+
+def _param_of(message: str) -> str | None:
+    word = message.split(" ", 1)[0].strip("(),:")
+    return word if word in CompletionRequest.model_fields else None
+
+
+# ---- responses ----------------------------------------------------------------------------------
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def finish_reason(reason: str | None) -> str | None:
+    return reason if reason in (None, "stop", "length") else "stop"
+
+
+class LogprobFormatter:
+    """OpenAI's legacy completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def token_text(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"<{token_id}>"
+        return self.tokenizer.decode([token_id])
+
+    def format(self, token_ids: list[int], logprobs: list[dict[int, float]], num_top: int, offset: int = 0) -> dict:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for tok, lp in zip(token_ids, logprobs):
+            text = self.token_text(tok)
+            tokens.append(text)
+            token_lps.append(lp.get(tok))
+            ranked = sorted(lp.items(), key=lambda kv: -kv[1])[:num_top] if num_top else [(tok, lp.get(tok))]
+            tops.append({self.token_text(t): v for t, v in ranked})
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
