@@ -125,6 +125,34 @@ class LLM:
     def engine(self) -> EngineCore:
         return self._core
 
+    @property
+    def model_info(self) -> dict:
+        """What was loaded and how it decodes (for servers, reports and evals)."""
+        core, proc = self._core, self._core.processor
+        return {
+            "model": self.args.model, "model_type": core.hf_config.model_type,
+            "dtype": str(core.dtype).replace("torch.", ""), "device": str(core.device),
+            "attn_backend": core.runner.backend.name, "cuda_graphs": core.runner.graphs is not None,
+            "overlap_scheduler": core.overlap, "vocab_size": proc.vocab_size,
+            "max_input_len": proc.max_input_len, "eos_token_ids": list(proc.eos_token_ids),
+            "decoder_start_token_id": proc.decoder_start_token_id,
+            "forced_bos_token_id": proc.forced_bos_token_id,
+            "whisper_default_prefix": list(proc.whisper_default_prefix),
+        }
+
+    @property
+    def is_healthy(self) -> bool:
+        """False once shut down or after the engine thread died (see ``error``)."""
+        return not self._stop and self._error is None and self._thread.is_alive()
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def stats(self) -> dict:
+        """Queue depth and KV blocks per pool in one snapshot (safe from any thread: plain reads)."""
+        return {**self.queue_stats(), "kv": self.kv_cache_usage()}
+
     def kv_cache_usage(self) -> dict[str, dict[str, int]]:
         """Blocks used / total per pool and tokens per block (a snapshot; for metrics)."""
         sched, plan = self._core.scheduler, self._core.runner.kv_plan

@@ -267,3 +267,16 @@ def test_every_dtype_loads_and_generates(t5_relu, dtype):
         assert next(llm.engine.runner.model.parameters()).dtype == expected
         out = llm.generate("dtype check", SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
     assert len(out.outputs[0].token_ids) == 5
+
+
+def test_model_info_stats_and_health(t5_llm, t5_relu):
+    info = t5_llm.model_info
+    assert info["model_type"] == "t5" and info["dtype"] == "float32" and info["attn_backend"] == "torch"
+    assert info["max_input_len"] == 64 and info["eos_token_ids"]
+    assert t5_llm.stats()["kv"]["self"]["used_blocks"] == 0
+    assert t5_llm.is_healthy and t5_llm.error is None
+    llm = LLM(t5_relu, max_batch_size=2, kv_cache_config=KV)
+    llm.shutdown()
+    assert not llm.is_healthy
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate_async("after shutdown")
