@@ -5,11 +5,11 @@ Exit codes: 0 done, 1 a ``--fail-under`` check missed or a request failed, 2 bad
 """
 from __future__ import annotations
 
-import os
-import shlex
 from typing import Annotated, Optional
 
 import typer
+
+from enc2dec.cli.common import command_line, run_command
 
 HELP = """Benchmark a model: closed-loop clients keep C requests in flight at each
 concurrency level.
@@ -131,38 +131,8 @@ def bench(
 ) -> None:
     from enc2dec.bench.errors import BenchInputError
 
-    try:
-        code = _run(locals())
-    except BenchInputError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
-    except KeyboardInterrupt:
-        typer.echo("interrupted", err=True)
-        raise typer.Exit(130) from None
-    except Exception as e:  # noqa: BLE001 - a clear line, not a traceback; ENC2DEC_DEBUG=1 shows it
-        if os.environ.get("ENC2DEC_DEBUG"):
-            raise
-        typer.echo(f"error: bench failed: {type(e).__name__}: {e} (ENC2DEC_DEBUG=1 shows the traceback)", err=True)
-        raise typer.Exit(1) from None
-    raise typer.Exit(code)
-
-
-def _command_line(ctx: typer.Context) -> str:
-    """The options given on the command line, as one shell line (for the report): rebuilt
-    from the parse, so it is right however bench was invoked (console script, python -m,
-    a test's CliRunner)."""
-    parts = ["enc2dec", "bench"]
-    for p in ctx.command.params:
-        source = ctx.get_parameter_source(p.name)
-        if source is None or source.name == "DEFAULT":
-            continue
-        value, flag = ctx.params[p.name], p.opts[0]
-        if getattr(p, "is_flag", False):
-            parts.append(flag if value else (p.secondary_opts or [flag])[0])
-        else:
-            for v in value if isinstance(value, (list, tuple)) else [value]:
-                parts += [flag, str(v)]
-    return shlex.join(parts)
+    options = locals()
+    run_command("bench", lambda: _run(options), (BenchInputError,))
 
 
 def _options(o: dict):
@@ -192,7 +162,7 @@ def _options(o: dict):
         hf_dataset=hf, audio_dir=o["audio_dir"], audio_manifest=o["audio_manifest"],
         audio_seconds=o["audio_seconds"], streaming=o["streaming"], baselines=baselines, url=o["url"],
         thresholds=tuple(parse_threshold(t) for t in o["fail_under"] or []),
-        command=_command_line(o["ctx"]))
+        command=command_line(o["ctx"], "bench"))
     opts.validate()
     return opts
 

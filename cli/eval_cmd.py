@@ -5,11 +5,11 @@ Exit codes: 0 done, 1 a threshold missed (or a request failed), 2 bad usage or d
 """
 from __future__ import annotations
 
-import os
-import shlex
 from typing import Annotated, Optional
 
 import typer
+
+from enc2dec.cli.common import command_line, run_command
 
 HELP = """Score a model on a dataset and against transformers' own outputs.
 
@@ -89,36 +89,8 @@ def eval_command(
 ) -> None:
     from enc2dec.eval.errors import EvalInputError
 
-    try:
-        code = _run(locals())
-    except EvalInputError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
-    except KeyboardInterrupt:
-        typer.echo("interrupted", err=True)
-        raise typer.Exit(130) from None
-    except Exception as e:  # noqa: BLE001 - a clear line, not a traceback; ENC2DEC_DEBUG=1 shows it
-        if os.environ.get("ENC2DEC_DEBUG"):
-            raise
-        typer.echo(f"error: eval failed: {type(e).__name__}: {e} (ENC2DEC_DEBUG=1 shows the traceback)", err=True)
-        raise typer.Exit(1) from None
-    raise typer.Exit(code)
-
-
-def _command_line(ctx: typer.Context) -> str:
-    """The options as given, as one shell line, rebuilt from the parse (right however eval was
-    invoked: console script, python -m, a test's CliRunner)."""
-    parts = ["enc2dec", "eval"]
-    for p in ctx.command.params:
-        source = ctx.get_parameter_source(p.name)
-        if source is None or source.name == "DEFAULT":
-            continue
-        value, flag = ctx.params[p.name], p.opts[0]
-        if getattr(p, "is_flag", False):
-            parts.append(flag if value else (p.secondary_opts or [flag])[0])
-        else:
-            parts += [flag, str(value)]
-    return shlex.join(parts)
+    options = locals()
+    run_command("eval", lambda: _run(options), (EvalInputError,))
 
 
 def _options(o: dict):
@@ -134,7 +106,7 @@ def _options(o: dict):
         config=o["config"],
         engine_overrides={"dtype": o["dtype"], "device": o["device"], "load_format": o["load_format"],
                           "max_batch_size": o["batch_size"]},
-        report_json=o["report_json"], save_outputs=o["save_outputs"], command=_command_line(o["ctx"]))
+        report_json=o["report_json"], save_outputs=o["save_outputs"], command=command_line(o["ctx"], "eval"))
 
 
 def _run(o: dict) -> int:
