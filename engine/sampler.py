@@ -98,6 +98,10 @@ class DeviceSample:
         return SamplerOutput(token_ids, lps, tops)
 
 
+def _needs_token_ids(st: SeqSamplingState) -> bool:
+    return any(getattr(fn, "needs_token_ids", True) for fn in st.params.logits_processors)
+
+
 def _apply_logits_processors(logits: torch.Tensor, states: list[SeqSamplingState], num_output_tokens: list[int],
                              rows: list[int], owned: bool) -> torch.Tensor:
     # logits: [S, V]. Never edit the model's (or a CUDA graph's) output buffer in place.
@@ -105,19 +109,25 @@ def _apply_logits_processors(logits: torch.Tensor, states: list[SeqSamplingState
         logits = logits.clone()
     for r in rows:
         st, n_out = states[r], num_output_tokens[r]
-        if st.processor_history is None or n_out == 0:
-            st.processor_history = []
-        del st.processor_history[n_out:]
+        if _needs_token_ids(st):
+            if st.processor_history is None or n_out == 0:
+                st.processor_history = []
+            del st.processor_history[n_out:]
+            ids = st.processor_history
+        else:
+            ids = [-1] * n_out      # these processors read only the count: no host copy needed
         for fn in st.params.logits_processors:
-            fn(st.processor_history, logits[r])
+            fn(ids, logits[r])
     return logits
 
 
 def _record_processor_history(chosen: torch.Tensor, states: list[SeqSamplingState], rows: list[int]) -> None:
-    # A host sync, paid only by steps that hold requests with logits processors: they need
-    # the ids on the host to decide the next step's mask.
-    for r, token_id in zip(rows, chosen[rows].tolist()):
-        states[r].processor_history.append(token_id)
+    # A host sync, paid only by steps that hold requests whose processors read token ids:
+    # they need the ids on the host to decide the next step's mask.
+    rows = [r for r in rows if _needs_token_ids(states[r])]
+    if rows:
+        for r, token_id in zip(rows, chosen[rows].tolist()):
+            states[r].processor_history.append(token_id)
 
 
 class Sampler:

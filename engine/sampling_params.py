@@ -35,7 +35,9 @@ class SamplingParams:
     # Each is called as fn(output_token_ids, logits_row) for this request's row before greedy
     # or random selection and edits logits_row ([vocab] float32) in place. Output ids exclude
     # the decoder prefix. Processors run after the suppress lists; make them picklable objects
-    # (not lambdas) so requests can cross to tensor-parallel workers.
+    # (not lambdas) so requests can cross to tensor-parallel workers. Reading the ids costs a
+    # device-to-host copy per step; a processor that only needs their count sets
+    # ``needs_token_ids = False`` and then gets a list of -1 of the right length.
     logits_processors: Optional[list[Callable]] = None
 
     def __post_init__(self):

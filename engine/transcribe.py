@@ -16,8 +16,9 @@ decode together in the engine's batches. A file that cannot be read or decoded g
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -79,18 +80,33 @@ async def transcribe_async(llm, sources: Sequence, *, language: str | None = Non
                            progress: TranscribeProgress | None = None) -> list[Transcript]:
     run = _Run(llm, language, task, strategy, timestamps, batch_size, progress or TranscribeProgress())
     named = [(_name(s, i), s) for i, s in enumerate(sources)]
-    durations = {}
-    for name, src in named:
-        try:
-            durations[name] = len(src[0]) / src[1] if isinstance(src, tuple) else probe_duration_s(str(src))
-        except AudioError as e:
-            durations[name] = e
-    run.progress.start(sum(d for d in durations.values() if isinstance(d, float)))
-    return list(await asyncio.gather(*(run.file(name, src, durations[name]) for name, src in named)))
+    durations = [_probe(src) for _, src in named]
+    run.progress.start(sum(d for d in durations if isinstance(d, float)))
+    return list(await asyncio.gather(*(run.file(name, src, d) for (name, src), d in zip(named, durations))))
 
 
 def _name(source, index: int) -> str:
     return f"<array {index}>" if isinstance(source, tuple) else str(source)
+
+
+def _probe(source) -> float | AudioError:
+    """Seconds of audio (from the header for files), or the problem, known before decoding."""
+    try:
+        if isinstance(source, tuple):
+            samples, rate = source
+            if not isinstance(rate, (int, np.integer)) or rate <= 0:
+                raise AudioError(f"the sample rate must be a positive integer, got {rate!r}")
+            return _frames_first(np.asarray(samples)).shape[0] / int(rate)
+        return probe_duration_s(str(source))
+    except AudioError as e:
+        return e
+
+
+def _frames_first(samples: np.ndarray) -> np.ndarray:
+    # Arrays from torchaudio / librosa are [channels, frames]; soundfile's are [frames, channels].
+    if samples.ndim == 2 and samples.shape[0] <= 8 < samples.shape[1]:
+        return samples.T
+    return samples
 
 
 class _Run:
@@ -119,9 +135,10 @@ class _Run:
         self.request_slots = asyncio.Semaphore(batch_size)
         self.file_slots = asyncio.Semaphore(batch_size)
         self._advanced: dict[int, float] = {}      # id(Transcript) -> audio seconds reported so far
+        self._rules: dict[tuple, tuple[list, int]] = {}
 
     # ---- one file --------------------------------------------------------------------------
-    async def file(self, name: str, source, duration) -> Transcript:
+    async def file(self, name: str, source, duration: float | AudioError) -> Transcript:
         if isinstance(duration, AudioError):
             return self._done(Transcript(name, error=str(duration)), 0.0)
         async with self.file_slots:
@@ -154,7 +171,7 @@ class _Run:
 
     def _load(self, source) -> np.ndarray:
         if isinstance(source, tuple):
-            wave = resample(to_mono(source[0]), int(source[1]), self.sample_rate)
+            wave = resample(to_mono(_frames_first(np.asarray(source[0]))), int(source[1]), self.sample_rate)
             if wave.size == 0:
                 raise AudioError("the audio array is empty")
             return wave
@@ -185,11 +202,14 @@ class _Run:
         spans = chunk_windows(wave, sr)
         starts, ends = [s for s, _ in spans], [e for _, e in spans]
         windows = [wave[s:e] for s, e in spans]
+        # Several windows decode with timestamp tokens even when no times are asked for: without
+        # them Whisper often ends a full 30 s window early and drops whole sentences.
+        use_ts = self.timestamps or len(windows) > 1
         new_audio_s = [(ends[i] - (ends[i - 1] if i else 0)) / sr for i in range(len(ends))]
 
         async def one(i: int, language_known: asyncio.Future | None = None):
             # A chunk after the first starts mid-speech: its first words may come late.
-            ids = await self._decode(windows[i], t, self.timestamps, language_known, cap_first_timestamp=i == 0)
+            ids = await self._decode(windows[i], t, use_ts, language_known, cap_first_timestamp=i == 0)
             self._advance(t, new_audio_s[i])
             return ids
 
@@ -213,27 +233,36 @@ class _Run:
         for i, ids in enumerate(outputs):
             start_s, length_s = starts[i] / sr, len(windows[i]) / sr
             pieces = parse_window(ids, self.tokens.eot, self.tokens.timestamp_begin, start_s, length_s,
-                                  self.timestamps).pieces
+                                  use_ts).pieces
             overlap_s = (ends[i - 1] - starts[i]) / sr if i else 0.0
             merge_chunk(merged, pieces, overlap_s, prev, length_s)
             prev = (sum(len(p.token_ids) for p in pieces), length_s)
         return merged_pieces(merged)
 
     # ---- one window = one engine request ----------------------------------------------------
+    def _processors(self, detect: bool, use_ts: bool, cap_first_timestamp: bool) -> tuple[list, int]:
+        """The logits rules of a window, and how many forced tokens precede its text. Shared by
+        every window of the run: they hold no per-request state."""
+        key = (detect, use_ts, cap_first_timestamp)
+        if key not in self._rules:
+            tok, processors, begin = self.tokens, [], 0
+            if detect:
+                forced = tok.forced_after_language(self.task, use_ts)
+                begin = 1 + len(forced)
+                processors += [DetectLanguage(list(tok.languages.values()), forced),
+                               SuppressAtBegin(begin, tok.begin_suppress)]
+            if use_ts:
+                processors.append(TimestampRules(begin, tok.eot, tok.no_timestamps, tok.timestamp_begin,
+                                                 MAX_INITIAL_TIMESTAMP_INDEX if cap_first_timestamp else None))
+            self._rules[key] = (processors, begin)
+        return self._rules[key]
+
     async def _decode(self, window: np.ndarray, t: Transcript, use_ts: bool,
                       language_known: asyncio.Future | None = None, cap_first_timestamp: bool = True) -> list[int]:
         tok = self.tokens
         detect = t.language is None
         prefix = tok.prefix(t.language, self.task, use_ts)
-        processors, begin = [], 0
-        if detect:
-            forced = tok.forced_after_language(self.task, use_ts)
-            begin = 1 + len(forced)
-            processors += [DetectLanguage(list(tok.languages.values()), forced),
-                           SuppressAtBegin(begin, tok.begin_suppress)]
-        if use_ts:
-            processors.append(TimestampRules(begin, tok.eot, tok.no_timestamps, tok.timestamp_begin,
-                                             MAX_INITIAL_TIMESTAMP_INDEX if cap_first_timestamp else None))
+        processors, begin = self._processors(detect, use_ts, cap_first_timestamp)
         params = SamplingParams(max_tokens=min(MAX_WINDOW_TOKENS + begin, self.max_positions - len(prefix)),
                                 temperature=0.0, detokenize=False, logits_processors=processors or None)
         prompt = {"prompt": "".join(self.llm.tokenizer.convert_ids_to_tokens(prefix)),

@@ -1,8 +1,9 @@
 """Whisper decoding rules as logits processors (``SamplingParams.logits_processors``).
 
 Each is called as ``fn(output_token_ids, logits_row)`` and edits the ``[vocab]`` row in
-place. They are plain picklable objects and never read a tensor back to the host, so a
-step with them costs a few small kernels per row and no synchronisation of its own.
+place. They are plain picklable objects and never read a tensor back to the host: a step
+with them costs a few small kernels per row. Only ``TimestampRules`` reads the token ids
+(the sampler copies them to the host each step for it); the others need only their count.
 
 - ``DetectLanguage``: the first output token is restricted to the language tokens (language
   identification as one decoder step from ``<|startoftranscript|>``), the next ones are forced
@@ -19,9 +20,8 @@ import torch
 _NEG_INF = float("-inf")
 
 
-def _keep_only(row: torch.Tensor, ids: list[int]) -> None:
-    # row: [V]; every other entry becomes -inf, the kept ones keep their values.
-    index = torch.tensor(ids, device=row.device)
+def _keep_only(row: torch.Tensor, index: torch.Tensor) -> None:
+    # row: [V]; index: [K] on row's device. Every other entry becomes -inf, the kept keep their values.
     kept = row.index_select(0, index)
     row.fill_(_NEG_INF)
     row.index_copy_(0, index, kept)
@@ -35,19 +35,26 @@ def _force(row: torch.Tensor, token_id: int) -> None:
 
 
 class DetectLanguage:
+    needs_token_ids = False      # only the count: the sampler skips the per-step host copy
+
     def __init__(self, language_ids: list[int], forced: list[int]):
         self.language_ids = sorted(language_ids)
         self.forced = list(forced)
+        self._index: torch.Tensor | None = None     # language ids on the logits' device, made once
 
     def __call__(self, output_ids: list[int], row: torch.Tensor) -> None:
         n = len(output_ids)
         if n == 0:
-            _keep_only(row, self.language_ids)
+            if self._index is None or self._index.device != row.device:
+                self._index = torch.tensor(self.language_ids, device=row.device)
+            _keep_only(row, self._index)
         elif n <= len(self.forced):
             _force(row, self.forced[n - 1])
 
 
 class SuppressAtBegin:
+    needs_token_ids = False
+
     def __init__(self, begin_index: int, token_ids: tuple[int, ...]):
         self.begin_index = begin_index
         self.token_ids = list(token_ids)
@@ -97,7 +104,7 @@ class TimestampRules:
             row[:ts] = _NEG_INF
             if self.max_initial is not None:
                 row[ts + self.max_initial + 1:] = _NEG_INF
-        logprobs = row.log_softmax(dim=-1)                                  # [V]
-        timestamp_logprob = logprobs[ts:].logsumexp(dim=-1)
-        best_text_logprob = logprobs[:ts].max()
-        row[:ts].masked_fill_(timestamp_logprob > best_text_logprob, _NEG_INF)
+        # Compared in logits, not log-probs: the softmax normaliser is the same on both sides.
+        timestamp_mass = row[ts:].logsumexp(dim=-1)
+        best_text = row[:ts].max()
+        row[:ts].masked_fill_(timestamp_mass > best_text, _NEG_INF)

@@ -46,7 +46,7 @@ class WhisperTokens:
         return self.timestamp_begin + NUM_TIMESTAMP_TOKENS <= self.vocab_size
 
     @classmethod
-    def from_generation_config(cls, gen, vocab_size: int, tokenizer=None) -> "WhisperTokens":
+    def from_generation_config(cls, gen, vocab_size: int, tokenizer=None) -> WhisperTokens:
         def tok_id(name: str) -> int | None:
             if tokenizer is None:
                 return None

@@ -1,0 +1,206 @@
+"""``enc2dec transcribe``: audio files of any length, format and rate to text and subtitles.
+
+A thin command: options in, ``enc2dec.engine.transcribe.transcribe`` does the work, files
+and a summary out. Exit codes: 0 every file transcribed, 1 some file failed (each gets its
+own error line; the rest still finish), 2 bad usage or input (unknown option value, a path
+that does not exist, a model that cannot be loaded).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Annotated, Optional
+
+import typer
+
+HELP = """Transcribe (or translate to English) audio files with Whisper.
+
+Inputs are files or folders (searched recursively) in any format that
+libsndfile reads (wav, flac, ogg, opus, mp3), at any sampling rate and
+channel count, of any length. --strategy chunked (default) decodes
+overlapping 30 s windows together and stitches them: the fastest.
+--strategy sequential moves a 30 s window along the timestamps the model
+predicts, as the original Whisper does: the most accurate. See
+docs/transcribe.md. Text goes to stdout unless --output-dir is given;
+progress and the summary go to stderr. Exit codes: 0 all files done,
+1 some file failed, 2 bad usage or input.
+
+Examples:
+
+  enc2dec transcribe talk.mp3
+
+  # subtitles for a folder, language given, two formats
+  enc2dec transcribe recordings/ --language de -f srt,vtt -o subs/
+
+  # translate into English, segment times on stdout
+  enc2dec transcribe interview.flac --task translate --timestamps
+
+  # a local checkpoint and an engine config (TensorRT-LLM YAML shape)
+  enc2dec transcribe clip.wav --model ./whisper-base
+    --config enc-dec-config.yaml
+
+  # timing with random weights, no download (prints token ids)
+  enc2dec transcribe long.wav --model openai/whisper-large-v3
+    --load-format dummy --language en
+"""
+
+DEFAULT_MODEL = "openai/whisper-large-v3"
+DEFAULT_CROSS_KV_FRACTION = 0.5
+
+
+def _opt(help_text: str, panel: str, *names: str, **kw):
+    return typer.Option(*names, help=help_text, rich_help_panel=panel, **kw)
+
+
+D, O, E = "Decoding", "Output", "Engine"
+OptStr = Optional[str]
+
+
+class _UsageError(ValueError):
+    pass
+
+
+def transcribe(
+    inputs: Annotated[list[str], typer.Argument(help="Audio files and/or folders.", show_default=False)],
+    model: Annotated[str, _opt("Hugging Face folder or hub id of a Whisper checkpoint (with --load-format "
+                               "dummy also a known name).", E)] = DEFAULT_MODEL,
+    language: Annotated[OptStr, _opt("Spoken language, a code or a name (en, de, 'german'); default: "
+                                     "detected per file on multilingual checkpoints.", D)] = None,
+    task: Annotated[str, _opt("transcribe, or translate (into English).", D)] = "transcribe",
+    strategy: Annotated[str, _opt("Long audio: chunked (overlapping windows decoded together: fastest) or "
+                                  "sequential (seek by predicted timestamps: most accurate).", D)] = "chunked",
+    timestamps: Annotated[bool, _opt("Segment start and end times in the txt output (srt, vtt, tsv and json "
+                                     "always carry them).", D)] = False,
+    beam_size: Annotated[int, _opt("Beam width; only 1 (greedy) is available yet.", D)] = 1,
+    batch_size: Annotated[int, _opt("30 s windows decoding at once, across all files.", D)] = 32,
+    output_format: Annotated[str, _opt("txt, srt, vtt, json, tsv, a comma list of them, or all (all and lists "
+                                       "need --output-dir).", O, "--output-format", "-f")] = "txt",
+    output_dir: Annotated[OptStr, _opt("Write one file per input and format here (default: the text to "
+                                       "stdout).", O, "--output-dir", "-o")] = None,
+    quiet: Annotated[bool, _opt("No progress bar, no per-file language lines; errors and the summary "
+                                "still go to stderr.", O)] = False,
+    config: Annotated[OptStr, _opt("Engine YAML (LLM option names, e.g. enc-dec-config.yaml); the options "
+                                   "below win.", E)] = None,
+    load_format: Annotated[OptStr, _opt("auto (the checkpoint's weights) or dummy (random, for timing).", E)] = None,
+    dtype: Annotated[OptStr, _opt("auto, float32, float16 or bfloat16.", E)] = None,
+    device: Annotated[OptStr, _opt("auto, cpu, cuda or cuda:N.", E)] = None,
+) -> None:
+    options = dict(locals())
+    from .common import run_command
+
+    run_command("transcribe", lambda: _run(options), (_UsageError,))
+
+
+def _formats(text: str, output_dir: str | None) -> list[str]:
+    from enc2dec.engine.subtitles import FORMATS
+
+    names = list(FORMATS) if text.strip() == "all" else [f.strip() for f in text.split(",") if f.strip()]
+    bad = [f for f in names if f not in FORMATS]
+    if bad or not names:
+        raise _UsageError(f"--output-format {text!r} is not valid; valid: {', '.join(FORMATS)}, all "
+                          "(or a comma list)")
+    if len(names) > 1 and not output_dir:
+        raise _UsageError(f"--output-format {text} writes several files: give --output-dir")
+    return list(dict.fromkeys(names))
+
+
+def _check_options(o: dict) -> tuple[list[str], list[str]]:
+    from enc2dec.engine.audio import expand_inputs
+    from enc2dec.engine.transcribe import STRATEGIES, TASKS
+
+    if o["beam_size"] != 1:
+        raise _UsageError(f"--beam-size {o['beam_size']}: beam search is not available yet in this engine; "
+                          "use --beam-size 1 (greedy, the default)")
+    if o["strategy"] not in STRATEGIES:
+        raise _UsageError(f"--strategy {o['strategy']!r} is not valid; valid: {', '.join(STRATEGIES)}")
+    if o["task"] not in TASKS:
+        raise _UsageError(f"--task {o['task']!r} is not valid; valid: {', '.join(TASKS)}")
+    if o["batch_size"] < 1:
+        raise _UsageError(f"--batch-size must be >= 1, got {o['batch_size']}")
+    formats = _formats(o["output_format"], o["output_dir"])
+    files, problems = expand_inputs(o["inputs"])
+    if problems:
+        raise _UsageError("; ".join(problems))
+    return files, formats
+
+
+def _llm_args(o: dict):
+    from enc2dec.engine import LlmArgs
+    from enc2dec.engine.whisper_tokens import id_only_tokenizer_for
+
+    overrides = {k: o[k] for k in ("load_format", "dtype", "device") if o[k] is not None}
+    try:
+        args = (LlmArgs.from_yaml(o["config"], model=o["model"], **overrides) if o["config"]
+                else LlmArgs.from_dict({}, model=o["model"], **overrides))
+        if args.kv_cache_config.cross_kv_cache_fraction is None:
+            kv = dataclasses.replace(args.kv_cache_config, cross_kv_cache_fraction=DEFAULT_CROSS_KV_FRACTION)
+            args = dataclasses.replace(args, kv_cache_config=kv)
+    except (ValueError, TypeError) as e:
+        raise _UsageError(f"engine config: {e}") from None
+    if args.tokenizer is None:
+        # Dummy weights have no tokenizer; prefixes are then given as special-token strings.
+        shim = id_only_tokenizer_for(args.model, args.load_format)
+        if shim is not None:
+            args = dataclasses.replace(args, tokenizer=shim)
+    return args
+
+
+def _run(o: dict) -> int:
+    from enc2dec.engine import LLM
+    from enc2dec.engine.subtitles import TIMED_FORMATS, output_stems, render, write_outputs
+    from enc2dec.engine.transcribe import transcribe as run_transcribe
+    from enc2dec.engine.whisper_tokens import engine_whisper_info
+
+    from .transcribe_progress import make_progress
+
+    files, formats = _check_options(o)
+    args = _llm_args(o)
+    progress = make_progress(quiet=o["quiet"])
+    try:
+        t0 = time.perf_counter()
+        try:
+            with progress.status(f"loading {args.model}"):
+                llm = LLM.from_args(args)
+        except ValueError as e:
+            raise _UsageError(f"cannot start the engine for {args.model}: {e}") from None
+        load_s = time.perf_counter() - t0
+        with llm:
+            try:
+                tokens = engine_whisper_info(llm)[0]
+                progress.report_language = o["language"] is None and tokens.is_multilingual
+                # srt, vtt and tsv need segment times; json carries them when the checkpoint can.
+                timed = any(f in TIMED_FORMATS for f in formats if f != "json") or (
+                    "json" in formats and tokens.has_timestamps)
+                t1 = time.perf_counter()
+                results = run_transcribe(llm, files, language=o["language"], task=o["task"],
+                                         strategy=o["strategy"], timestamps=o["timestamps"] or timed,
+                                         batch_size=o["batch_size"], progress=progress)
+                wall_s = time.perf_counter() - t1
+            except ValueError as e:         # options the checkpoint cannot honour, a non-Whisper model
+                raise _UsageError(str(e)) from None
+    finally:
+        progress.stop()
+    stems = output_stems([t.source for t in results])
+    ok = [t for t in results if t.error is None]
+    for t in ok:
+        if o["output_dir"]:
+            write_outputs(t, formats, o["output_dir"], stems[t.source])
+        else:
+            if len(files) > 1:
+                typer.echo(f"==> {t.source} <==")
+            typer.echo(render(t, formats[0]), nl=False)
+    for t in results:
+        if t.error is not None:
+            typer.echo(f"error: {t.error}", err=True)
+    audio_s = sum(t.duration_s for t in ok)
+    speed = f"{audio_s / wall_s:.1f}x real time" if wall_s > 0 and audio_s > 0 else "no audio"
+    failed = len(results) - len(ok)
+    where = f"; wrote {len(ok) * len(formats)} files to {o['output_dir']}" if o["output_dir"] and ok else ""
+    typer.echo(f"transcribed {len(ok)} of {len(results)} files{f' ({failed} failed)' if failed else ''}: "
+               f"{audio_s:.1f} s of audio in {wall_s:.1f} s, {speed} ({o['strategy']}, {args.model}, model "
+               f"load {load_s:.1f} s){where}", err=True)
+    return 1 if failed else 0
+
+
+def register(app: typer.Typer) -> None:
+    app.command("transcribe", help=HELP, no_args_is_help=True)(transcribe)
