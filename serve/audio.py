@@ -29,7 +29,7 @@ from .audio_input import decode_upload
 from .completions import check_model
 from .errors import APIError, bad_request
 from .streaming import SSE_DONE, ClientGone, event_stream, sse, sse_error, unless_disconnected
-from .subtitles import to_srt, to_vtt, verbose_segments
+from .subtitles import verbose_segments
 
 WINDOW_S = 30.0
 ENCODER_POSITIONS_PER_S = 50          # Whisper: 1500 encoder positions per 30 s window
@@ -195,6 +195,9 @@ async def _long_form(front, config, request, form, wave, rate, lang, task, timed
 
 # ---- responses ------------------------------------------------------------------------------
 def _respond(form, task, lang, text, segments, num_tokens, duration_s, tokenizer):
+    from types import SimpleNamespace
+
+    from enc2dec.engine.subtitles import to_srt, to_vtt
     from enc2dec.engine.transcribe import Segment
     from enc2dec.engine.whisper_tokens import language_name
 
@@ -204,10 +207,10 @@ def _respond(form, task, lang, text, segments, num_tokens, duration_s, tokenizer
     if fmt == "text":
         return PlainTextResponse(text)
     segments = segments or ([Segment(0.0, round(duration_s, 3), text)] if text else [])
-    if fmt == "srt":
-        return PlainTextResponse(to_srt(segments))
+    if fmt == "srt":      # the same writers as enc2dec transcribe
+        return PlainTextResponse(to_srt(SimpleNamespace(segments=segments)))
     if fmt == "vtt":
-        return PlainTextResponse(to_vtt(segments), media_type="text/vtt")
+        return PlainTextResponse(to_vtt(SimpleNamespace(segments=segments)), media_type="text/vtt")
     return {"task": task, "language": language_name(lang or "en").lower(), "duration": round(duration_s, 3),
             "text": text, "segments": verbose_segments(segments, tokenizer, form.temperature),
             "usage": {"type": "duration", "seconds": math.ceil(duration_s)}}

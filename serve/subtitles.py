@@ -1,4 +1,4 @@
-"""Transcript segments as OpenAI's verbose_json segments, SRT and WebVTT.
+"""Transcript segments as OpenAI's verbose_json segments (SRT/WebVTT: enc2dec.engine.subtitles).
 
 Segments are ``(start_s, end_s, text)`` triples (``enc2dec.engine.transcribe.Segment``).
 """
@@ -23,21 +23,3 @@ def verbose_segments(segments, tokenizer, temperature: float) -> list[dict]:
 def _compression_ratio(text: str) -> float:
     raw = text.encode()
     return round(len(raw) / max(1, len(zlib.compress(raw))), 3)
-
-
-def _stamp(seconds: float, sep: str) -> str:
-    ms = round(max(0.0, seconds) * 1000)
-    h, rest = divmod(ms, 3_600_000)
-    m, rest = divmod(rest, 60_000)
-    s, ms = divmod(rest, 1000)
-    return f"{h:02d}:{m:02d}:{s:02d}{sep}{ms:03d}"
-
-
-def to_srt(segments) -> str:
-    return "".join(f"{i}\n{_stamp(s.start_s, ',')} --> {_stamp(s.end_s, ',')}\n{s.text.strip()}\n\n"
-                   for i, s in enumerate(segments, 1))
-
-
-def to_vtt(segments) -> str:
-    return "WEBVTT\n\n" + "".join(f"{_stamp(s.start_s, '.')} --> {_stamp(s.end_s, '.')}\n{s.text.strip()}\n\n"
-                                  for s in segments)
