@@ -101,12 +101,12 @@ def _parquet_rows(path: str) -> Iterator[Any]:
 
 
 def _hf_rows(path: str, config: str | None, split: str, limit: int | None, audio_field: str | None):
+    where = f"{path}" + (f" (config {config})" if config else "") + f", split {split}"
     try:
         import datasets
     except ImportError:
-        raise EvalInputError("reading a Hugging Face dataset needs the 'datasets' package (pip install "
-                             "datasets); or pass a local JSONL / CSV / Parquet file with --data") from None
-    where = f"{path}" + (f" (config {config})" if config else "") + f", split {split}"
+        raise EvalInputError(f"reading the Hugging Face dataset {where} needs the 'datasets' package (pip "
+                             "install datasets); or pass a local JSONL / CSV / Parquet file with --data") from None
     try:
         if os.path.isdir(path) and any(os.path.exists(os.path.join(path, f)) for f in
                                        ("dataset_dict.json", "state.json", "dataset_info.json")):
