@@ -8,14 +8,13 @@ at most one 30 s window per request.
 from __future__ import annotations
 
 import io
-import json
 import os
 import wave
 
 import numpy as np
 
 from .errors import BenchInputError
-from .workloads import BenchRequest
+from .workloads import BenchRequest, iter_jsonl
 
 SAMPLE_RATE = 16000
 MAX_SECONDS = 30.0
@@ -136,20 +135,9 @@ def audio_dir_requests(folder: str, output_len: int, limit: int | None = None) -
 def audio_manifest_requests(path: str, output_len: int, limit: int | None = None) -> list[BenchRequest]:
     """JSONL rows with ``audio`` (or ``audio_filepath`` / ``path``), relative to the manifest's
     folder, and optionally ``output_tokens``."""
-    try:
-        lines = open(path, encoding="utf-8").read().splitlines()
-    except OSError as e:
-        raise BenchInputError(f"cannot read audio manifest {path}: {e.strerror or e}") from None
     base = os.path.dirname(os.path.abspath(path))
     requests = []
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{path} line {lineno}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise BenchInputError(f"{where}: not valid JSON ({e.msg})") from None
+    for where, row in iter_jsonl(path, "audio manifest"):
         if not isinstance(row, dict):
             raise BenchInputError(f"{where}: expected a JSON object")
         rel = row.get("audio") or row.get("audio_filepath") or row.get("path")

@@ -123,25 +123,30 @@ def request_from_row(row: Any, where: str, default_output_len: int, prompt_key: 
     return BenchRequest(text, 0, out_len, source=where)
 
 
-def load_jsonl(path: str, default_output_len: int, limit: int | None = None) -> list[BenchRequest]:
-    """trtllm-bench's dataset shape, one JSON object a line; a bad line names its number."""
+def iter_jsonl(path: str, what: str):
+    """``(where, row)`` for each non-blank line of a JSONL file; a bad line names its number."""
     try:
         f = open(path, encoding="utf-8")
     except OSError as e:
-        raise BenchInputError(f"cannot read dataset {path}: {e.strerror or e}") from None
-    requests = []
+        raise BenchInputError(f"cannot read {what} {path}: {e.strerror or e}") from None
     with f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             where = f"{path} line {lineno}"
             try:
-                row = json.loads(line)
+                yield where, json.loads(line)
             except json.JSONDecodeError as e:
                 raise BenchInputError(f"{where}: not valid JSON ({e.msg})") from None
-            requests.append(request_from_row(row, where, default_output_len))
-            if limit is not None and len(requests) >= limit:
-                break
+
+
+def load_jsonl(path: str, default_output_len: int, limit: int | None = None) -> list[BenchRequest]:
+    """trtllm-bench's dataset shape, one JSON object a line; a bad line names its number."""
+    requests = []
+    for where, row in iter_jsonl(path, "dataset"):
+        requests.append(request_from_row(row, where, default_output_len))
+        if limit is not None and len(requests) >= limit:
+            break
     if not requests:
         raise BenchInputError(f"dataset {path} holds no requests")
     return requests
