@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from .audio_input import decode_upload
 from .completions import check_model
 from .errors import APIError, bad_request
-from .streaming import SSE_DONE, ClientGone, event_stream, sse, sse_error, unless_disconnected
+from .streaming import SSE_DONE, ClientGone, event_stream, sse, failed_stream_events, unless_disconnected
 from .subtitles import verbose_segments
 
 WINDOW_S = 30.0
@@ -143,11 +143,8 @@ async def _events(front, batch, duration_s: float):
     sent, num_tokens = "", 0
     async for _, out in batch.stream():
         if out.error:
-            try:
-                front.finish(out)
-            except APIError as e:
-                yield sse_error(e.status, e.message, e.code)
-            yield SSE_DONE
+            for event in failed_stream_events(front, out):
+                yield event
             return
         c = out.outputs[0]
         text = c.text.lstrip()

@@ -10,7 +10,7 @@ from fastapi import Request, Response
 
 from .errors import APIError, bad_request
 from .protocol import CompletionRequest, LogprobFormatter, finish_reason, new_id, now_s, usage
-from .streaming import SSE_DONE, ClientGone, event_stream, sse, sse_error, unless_disconnected
+from .streaming import SSE_DONE, ClientGone, event_stream, sse, failed_stream_events, unless_disconnected
 
 
 def check_model(config, name: str | None) -> None:
@@ -89,11 +89,8 @@ async def _events(front, batch, body: CompletionRequest, rid, created, model, fm
 
     async for i, out in batch.stream():
         if out.error:
-            try:
-                front.finish(out)
-            except APIError as e:
-                yield sse_error(e.status, e.message, e.code)
-            yield SSE_DONE
+            for event in failed_stream_events(front, out):
+                yield event
             return
         pending = []
         for c in out.outputs:

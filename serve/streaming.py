@@ -12,7 +12,7 @@ import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable
 
-from .errors import error_body
+from .errors import APIError, error_body
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -26,6 +26,15 @@ SSE_DONE = "data: [DONE]\n\n"
 
 def sse_error(status: int, message: str, code: str | None = None) -> str:
     return sse(error_body(status, message, code=code))
+
+
+def failed_stream_events(front, out) -> list[str]:
+    """The events that end a stream whose request failed: its OpenAI error, then [DONE]."""
+    try:
+        front.finish(out)
+    except APIError as e:
+        return [sse_error(e.status, e.message, e.code), SSE_DONE]
+    return [SSE_DONE]
 
 
 async def wait_disconnect(request) -> None:
