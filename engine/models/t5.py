@@ -82,9 +82,24 @@ class T5Stack(nn.Module):
         self.rel_bias = nn.Embedding(self.num_buckets, config.num_heads)
         self.layers = nn.ModuleList(T5Layer(config, is_decoder, backend) for _ in range(num_layers))
         self.final_norm = RMSNorm(config.d_model, config.layer_norm_epsilon)
+        self._tables: list[tuple[tuple, int, torch.Tensor]] = []   # (weight key, length, table)
 
     def bias_table(self, length: int) -> torch.Tensor:
-        """Encoder: [H, 2L-1], column ``k - q + L - 1``; decoder: [H, L], column ``q - k``."""
+        """A table covering at least ``length`` positions, computed once and reused.
+
+        Encoder: [H, 2L-1], column ``k - q + L - 1``; decoder: [H, L], column ``q - k``, where
+        the backends read L from the table's width, so a wider table gives the same biases.
+        Reuse keeps the bucketing out of every decoder step (and out of CUDA graphs); tables
+        are never freed once made, because a captured graph may still read an older one.
+        """
+        weight = self.rel_bias.weight
+        key = (weight._version, weight.device, weight.dtype)
+        if not self._tables or self._tables[-1][0] != key or self._tables[-1][1] < length:
+            capacity = max(64, 1 << (length - 1).bit_length())
+            self._tables.append((key, capacity, self._compute_table(capacity)))
+        return self._tables[-1][2]
+
+    def _compute_table(self, length: int) -> torch.Tensor:
         device = self.rel_bias.weight.device
         if self.is_decoder:
             rel = -torch.arange(length, device=device)                         # k - q = -(q - k)
