@@ -29,6 +29,7 @@ from enc2dec.engine.batch import (ModelRunnerOutput, SampledToken, ScheduledEnco
                                   ScheduledSeq, SchedulerOutput)
 from enc2dec.engine.block_manager import BlockPool, blocks_needed
 from enc2dec.engine.request import PLACEHOLDER_TOKEN_ID, Request, RequestStatus, Sequence
+from enc2dec.engine.stop_rules import check_stop
 
 
 def _schedulable(req: Request) -> list[Sequence]:
@@ -254,7 +255,7 @@ class Scheduler:
             sampled = runner_out.sampled.get(scheduled.seq_id)
             assert sampled is not None, f"runner returned no token for seq {scheduled.seq_id}"
             self._append_token(seq, sampled, scheduled.seq_len)
-            status, stop_reason = self._check_stop(req, seq, sampled.token_id)
+            status, stop_reason = check_stop(req, seq, sampled.token_id)
             if status is not None:
                 done = self._finish(req, seq, status, stop_reason)
                 if done is not None:
@@ -290,7 +291,7 @@ class Scheduler:
             seq.cumulative_logprob += sampled.logprob
             if sampled.top_logprobs is not None:
                 seq.logprobs = (seq.logprobs or []) + [sampled.top_logprobs]
-            status, stop_reason = self._check_stop(req, seq, sampled.token_id, index + 1)
+            status, stop_reason = check_stop(req, seq, sampled.token_id, index + 1)
             if status is not None:
                 done = self._finish(req, seq, status, stop_reason)
                 if done is not None:
@@ -306,23 +307,6 @@ class Scheduler:
             if seq.logprobs is None:
                 seq.logprobs = []
             seq.logprobs.append(sampled.top_logprobs)
-
-    @staticmethod
-    def _check_stop(req: Request, seq: Sequence, token_id: int,
-                    num_tokens: int | None = None) -> tuple[RequestStatus | None, int | None]:
-        """(finish status, stop_reason) once ``token_id`` is the sequence's token number
-        ``num_tokens`` (default: its last); (None, None) to go on."""
-        num_output = (seq.num_tokens if num_tokens is None else num_tokens) - seq.num_hidden_tokens
-        # min_tokens holds back EOS and stop tokens alike (as vLLM does);
-        # the length limit still applies.
-        if num_output >= req.min_tokens:
-            if token_id in req.eos_token_ids and not req.ignore_eos:
-                return RequestStatus.FINISHED_STOPPED, None    # the EOS stays in the output
-            if token_id in req.stop_token_ids:
-                return RequestStatus.FINISHED_STOPPED, token_id
-        if num_output >= req.max_output_tokens:
-            return RequestStatus.FINISHED_LENGTH, None
-        return None, None
 
     def _finish(self, req: Request, seq: Sequence, status: RequestStatus,
                 stop_reason: int | str | None) -> Request | None:
