@@ -2,10 +2,9 @@
 
 A row's audio is a file path (relative to the manifest's folder), a Hugging Face ``Audio``
 value (``{"array", "sampling_rate"}`` decoded, or ``{"path", "bytes"}`` undecoded) or a
-decoder object with ``get_all_samples()``. Files go through the project's loader
-(``enc2dec.engine.audio``, the one ``transcribe`` uses) when it and ``soxr`` are installed;
-otherwise ``soundfile`` reads them and other rates are resampled with an FFT resampler
-(band-limited, good enough for accuracy figures), so eval needs no ``soxr``.
+decoder object with ``get_all_samples()``. Files are read and every clip is resampled by
+the project's audio code (``enc2dec.engine.audio``: soundfile and soxr, the same as
+``transcribe``), so eval and transcribe hear the same input.
 """
 from __future__ import annotations
 
@@ -38,31 +37,17 @@ def _read_file(source) -> tuple[np.ndarray, int]:
     return wave, int(rate)
 
 
-def _engine_loader():
-    """``enc2dec.engine.audio.load_audio`` when it can resample (soxr installed), else None."""
-    import importlib.util
-
-    if importlib.util.find_spec("soxr") is None:
-        return None
-    try:
-        from enc2dec.engine import audio
-    except ImportError:
-        return None
-    return audio
-
-
 def _decode(value, base_dir: str) -> tuple[np.ndarray, int]:
     if isinstance(value, str):
         path = value if os.path.isabs(value) else os.path.join(base_dir, value)
         if not os.path.isfile(path):
             raise AudioError(f"no such file: {path}")
-        engine_audio = _engine_loader()
-        if engine_audio is not None:
-            try:
-                return engine_audio.load_audio(path, SAMPLE_RATE), SAMPLE_RATE
-            except ValueError as e:      # its AudioError
-                raise AudioError(str(e)) from None
-        return _read_file(path)
+        from enc2dec.engine.audio import load_audio
+
+        try:
+            return load_audio(path, SAMPLE_RATE), SAMPLE_RATE
+        except ValueError as e:      # enc2dec.engine.audio.AudioError
+            raise AudioError(str(e)) from None
     if isinstance(value, dict):
         if value.get("array") is not None:
             if value.get("sampling_rate") is None:
@@ -79,23 +64,13 @@ def _decode(value, base_dir: str) -> tuple[np.ndarray, int]:
     raise AudioError(f"not an audio value: {type(value).__name__}")
 
 
-def _fft_resample(wave: np.ndarray, rate: int) -> np.ndarray:
-    n_out = round(len(wave) * SAMPLE_RATE / rate)
-    spectrum = np.fft.rfft(wave.astype(np.float64))
-    keep = min(len(spectrum), n_out // 2 + 1)
-    out = np.fft.irfft(spectrum[:keep], n=n_out) * (n_out / len(wave))
-    return out.astype(np.float32)
-
-
 def resample(wave: np.ndarray, rate: int) -> np.ndarray:
-    if rate == SAMPLE_RATE:
-        return wave
-    try:
-        import soxr
+    from enc2dec.engine.audio import resample as engine_resample
 
-        return soxr.resample(wave, rate, SAMPLE_RATE).astype(np.float32)
-    except ImportError:
-        return _fft_resample(wave, rate)
+    try:
+        return engine_resample(wave, rate, SAMPLE_RATE)
+    except ValueError as e:          # no soxr: enc2dec.engine.audio.AudioError names the extra
+        raise AudioError(str(e)) from None
 
 
 def load_clip(value, base_dir: str = ".") -> np.ndarray:
