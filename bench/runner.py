@@ -47,27 +47,22 @@ def start_llm(args):
 
 
 class KvTracker:
-    """Peak KV blocks in use, sampled while a level runs (the pools live in the scheduler)."""
+    """Peak KV blocks in use, sampled while a level runs (``LLM.kv_cache_usage()``)."""
 
     def __init__(self, llm):
-        core = getattr(llm, "engine", None)
-        self._scheduler = getattr(core, "scheduler", None)
-        plan = getattr(getattr(core, "runner", None), "kv_plan", None)
-        self.self_total = getattr(plan, "num_self_blocks", None)
-        self.cross_total = getattr(plan, "num_cross_blocks", None)
+        usage = getattr(llm, "kv_cache_usage", None)
+        self._usage = usage if callable(usage) else None
+        first = self._usage() if self._usage else {}
+        self.self_total = first.get("self", {}).get("total_blocks")
+        self.cross_total = first.get("cross", {}).get("total_blocks")
         self.self_peak = self.cross_peak = 0
 
-    def _used(self, pool_name: str) -> int | None:
-        pool = getattr(self._scheduler, pool_name, None)
-        used = getattr(pool, "num_used_blocks", None)
-        return used() if callable(used) else used
-
     def sample(self) -> None:
-        s, c = self._used("self_pool"), self._used("cross_pool")
-        if isinstance(s, int):
-            self.self_peak = max(self.self_peak, s)
-        if isinstance(c, int):
-            self.cross_peak = max(self.cross_peak, c)
+        if self._usage is None:
+            return
+        usage = self._usage()
+        self.self_peak = max(self.self_peak, usage["self"]["used_blocks"])
+        self.cross_peak = max(self.cross_peak, usage["cross"]["used_blocks"])
 
     async def poll(self, interval_s: float = 0.01) -> None:
         while True:
@@ -75,7 +70,7 @@ class KvTracker:
             await asyncio.sleep(interval_s)
 
     def extras(self) -> dict:
-        if self._scheduler is None:
+        if self._usage is None:
             return {}
         return {"kv_self_blocks_peak": self.self_peak, "kv_self_blocks_total": self.self_total,
                 "kv_cross_blocks_peak": self.cross_peak, "kv_cross_blocks_total": self.cross_total}

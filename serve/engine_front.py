@@ -39,12 +39,11 @@ def model_info(llm) -> ModelInfo:
 
 def engine_stats(llm) -> dict[str, int]:
     """Queue depth, running requests and KV blocks per pool, read without locks (plain lengths)."""
-    sched = llm.engine.scheduler
-    stats = {"waiting": sched.num_waiting, "running": sched.num_running}
-    for pool in ("self", "cross"):
-        p = getattr(sched, f"{pool}_pool")
-        stats[f"{pool}_used"], stats[f"{pool}_free"] = p.num_used_blocks, p.num_free_blocks
-        stats[f"{pool}_total"] = p.num_total_blocks
+    snapshot = llm.stats()
+    stats = {"waiting": snapshot["waiting"], "running": snapshot["running"]}
+    for pool, usage in snapshot["kv"].items():
+        stats[f"{pool}_used"], stats[f"{pool}_total"] = usage["used_blocks"], usage["total_blocks"]
+        stats[f"{pool}_free"] = usage["total_blocks"] - usage["used_blocks"]
     return stats
 
 

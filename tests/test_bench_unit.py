@@ -54,15 +54,6 @@ class FakeHandle:
         return self._steps()
 
 
-class FakePool:
-    def __init__(self, llm, per_request):
-        self.llm, self.per_request = llm, per_request
-
-    @property
-    def num_used_blocks(self):
-        return self.llm.in_flight * self.per_request
-
-
 class FakeLLM:
     """The LLM API's shape with a fixed step time; records what it was asked."""
 
@@ -74,9 +65,11 @@ class FakeLLM:
         self.shut_down = False
         self.engine = SimpleNamespace(
             hf_config=SimpleNamespace(model_type=model_type, vocab_size=VOCAB),
-            device=SimpleNamespace(type="cpu"), dtype="float32",
-            runner=SimpleNamespace(kv_plan=SimpleNamespace(num_self_blocks=100, num_cross_blocks=50)),
-            scheduler=SimpleNamespace(self_pool=FakePool(self, 2), cross_pool=FakePool(self, 1)))
+            device=SimpleNamespace(type="cpu"), dtype="float32")
+
+    def kv_cache_usage(self):
+        return {"self": {"used_blocks": 2 * self.in_flight, "total_blocks": 100, "tokens_per_block": 32},
+                "cross": {"used_blocks": self.in_flight, "total_blocks": 50, "tokens_per_block": 32}}
 
     def generate_async(self, prompt, params, streaming=False):
         assert params.ignore_eos and params.temperature == 0
