@@ -1,6 +1,6 @@
 """The engine: input processing, the step loop and output processing, in one thread.
 
-    step():  schedule -> execute -> update -> outputs
+    step():  schedule -> launch -> update (overlap: advance now, resolve next step) -> outputs
 
 ``make_request`` validates and may raise ``ValueError``; it runs in the caller's thread and
 touches no engine state, so a bad request never disturbs the requests in flight.

@@ -113,9 +113,6 @@ class ModelRunner:
         return plan_kv_pools(budget, kvc.cross_kv_cache_fraction, self.tokens_per_block, per_token)
 
     # ---- per step -------------------------------------------------------------------------
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        return self.launch(so).wait()
-
     def launch(self, so: SchedulerOutput) -> "PendingStep":
         """Enqueue a step's GPU work and return before it is done. A sequence whose input is
         the placeholder token (overlap mode) reads its token from the previous step's samples,

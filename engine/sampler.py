@@ -131,10 +131,6 @@ def _record_processor_history(chosen: torch.Tensor, states: list[SeqSamplingStat
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, states: list[SeqSamplingState],
-                 num_output_tokens: list[int]) -> SamplerOutput:
-        return self.sample(logits, states, num_output_tokens).output()
-
     def sample(self, logits: torch.Tensor, states: list[SeqSamplingState],
                num_output_tokens: list[int]) -> DeviceSample:
         """Choose one token per row without waiting for the device."""
