@@ -1,42 +1,98 @@
 #!/usr/bin/env bash
-# One call on a GPU machine: install, the GPU test suite, enc2dec bench for flan-t5-large,
-# the ablations (CUDA graphs, overlap, attention backend), and the whisper-large-v3 suite
-# against transformers. Each part has its own time limit; JSON reports land under $OUT and a
-# short table is printed last.      OUT=./gpu-out bench/gpu_check.sh
+# One call on a GPU machine, in sections: install, then any of
+#   tests    pytest -m gpu (engine GPU tests first, then kernels)
+#   profile  bench/profile_step.py: kernels per decoder step, T5 and Whisper, C=1 and 64
+#   t5       flan-t5-large 128/128 at T5_CONC against BASELINES (issue 4's targets)
+#   ablate   graphs off / overlap off / torch attention at C=1 and 64 (T5, then Whisper)
+#   whisper  whisper-large-v3 30 s/96 tokens at WHISPER_CONC against BASELINES
+#   rtf      bench/transcribe_rtf.sh (10 minutes of audio, both long-form strategies)
+#   eval     enc2dec eval on the real LibriVox manifest with real Whisper base, bf16, vs HF
+#   beam     bench/beam_check.sh (if present);  tp  bench/tp_check.sh (if present)
+# Each part has its own time limit. Reports land in $WORK (default /tmp/gpu-out) and are packed
+# into $OUT/results.tgz (the device returns a few files only); a short table is printed last.
+#
+#   OUT=./gpu-out bench/gpu_check.sh tests profile whisper rtf
+#
+# Real Whisper folders packed by bench/carry_real.py are unpacked from .carry*/ into /tmp/real;
+# wheels in .whl/ (soundfile, soxr, jiwer, ...) are installed into /tmp/site.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+REPO=$PWD
 export OUT=$(realpath -m "${OUT:-./gpu-out}"); mkdir -p "$OUT"
+export WORK=${WORK:-/tmp/gpu-out}; mkdir -p "$WORK"
+SECTIONS=${*:-tests t5 ablate whisper}
 # Run the committed tree only (work in progress beside it stays out of the measurement).
 if git rev-parse --verify -q HEAD >/dev/null; then
-  git rev-parse --short HEAD | tee "$OUT/commit.txt"
+  git rev-parse --short HEAD | tee "$WORK/commit.txt"
   rm -rf /tmp/enc2dec-src && mkdir -p /tmp/enc2dec-src && git archive HEAD | tar -x -C /tmp/enc2dec-src
   cd /tmp/enc2dec-src
 fi
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 HF_HUB_OFFLINE=1
-python -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || tail -3 "$OUT/install.log"
+if ls "$REPO"/.whl/*.whl >/dev/null 2>&1 && [ ! -e /tmp/site/.done ]; then
+  python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      "$REPO"/.whl/*.whl && touch /tmp/site/.done
+fi
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+python -m pip install -q --no-deps --no-build-isolation -e . >"$WORK/install.log" 2>&1 || tail -3 "$WORK/install.log"
+if ls -d "$REPO"/.carry* >/dev/null 2>&1; then
+  python bench/carry_real.py unpack "$REPO" /tmp/real 2>&1 | tail -4
+  for d in "$REPO"/.carry*/speech; do [ -d "$d" ] && cp -rn "$d" /tmp/real/; done
+  export ENC2DEC_REAL_MODELS=/tmp/real
+fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
-} | tee "$OUT/machine.txt"
+} | tee "$WORK/machine.txt"
 B="python -m enc2dec.cli.main bench"
+BASELINES=${BASELINES:-hf,hf-compile}
 T5="--model google/flan-t5-large --load-format dummy --dtype bfloat16 --input-len 128 --output-len 128 --quiet"
+WH="--model openai/whisper-large-v3 --load-format dummy --dtype bfloat16 --audio-seconds 30 --output-len 96 --quiet"
 run() {  # run NAME LIMIT ARGS...
-  local name=$1 limit=$2; shift 2
-  echo "enc2dec bench $* --report-json $OUT/$name.json" >>"$OUT/commands.txt"
-  timeout "$limit" $B "$@" --report-json "$OUT/$name.json" >"$OUT/$name.log" 2>&1; echo "$name: exit $?"
+  local name=$1 limit=$2 t0=$SECONDS; shift 2
+  echo "enc2dec bench $* --report-json $name.json" >>"$WORK/commands.txt"
+  timeout "$limit" $B "$@" --report-json "$WORK/$name.json" >"$WORK/$name.log" 2>&1
+  echo "$name: exit $? after $((SECONDS - t0)) s"
 }
-echo "== pytest -m gpu"
-timeout ${TEST_LIMIT_S:-60} python -m pytest -m gpu -q -p no:cacheprovider tests/test_kernels_gpu.py tests/test_kernels.py tests/test_gpu_engine.py tests/test_bench.py >"$OUT/gpu_tests.log" 2>&1
-echo "exit $?"; grep -E "passed|failed" "$OUT/gpu_tests.log" | tail -1; grep -E "^FAILED|^ERROR" "$OUT/gpu_tests.log" | head -8
-echo "== flan-t5-large"
-run t5 60 $T5 --concurrency 1,8,32,64 --num-requests 8,32,64,128 --warmup 2
-printf 'cuda_graph_config: null\nkv_cache_config:\n  cross_kv_cache_fraction: 0.5\n' >"$OUT/nographs.yaml"
-printf 'disable_overlap_scheduler: true\nkv_cache_config:\n  cross_kv_cache_fraction: 0.5\n' >"$OUT/nooverlap.yaml"
-printf 'attn_backend: torch\ncuda_graph_config: null\nkv_cache_config:\n  cross_kv_cache_fraction: 0.5\n' >"$OUT/torchattn.yaml"
-for v in nographs nooverlap torchattn; do
-  run "t5-$v" 35 $T5 --config "$OUT/$v.yaml" --concurrency 1,64 --num-requests 4,64 --warmup 1
+for section in $SECTIONS; do
+  echo "== $section ($(date -u +%H:%M:%S))"
+  case $section in
+  tests)
+    timeout ${TEST_LIMIT_S:-240} python -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_engine.py \
+        tests/test_kernels_gpu.py tests/test_kernels.py $(ls tests/test_*gpu*.py | grep -v -e test_gpu_engine -e test_kernels_gpu) \
+        >"$WORK/gpu_tests.log" 2>&1
+    echo "exit $?"; grep -E "passed|failed" "$WORK/gpu_tests.log" | tail -1
+    grep -E "^FAILED|^ERROR" "$WORK/gpu_tests.log" | head -8 ;;
+  profile)
+    for args in "google/flan-t5-large 1" "google/flan-t5-large 64" "openai/whisper-large-v3 1" "openai/whisper-large-v3 64"; do
+      set -- $args
+      timeout ${PROFILE_LIMIT_S:-75} python bench/profile_step.py --model $1 --concurrency $2 --output-len 48 --top 18 \
+          --json "$WORK/profile-${1#*/}-c$2.json" 2>&1 | grep -v -e Warning -e warn -e "^ *self.profiler" | tail -22
+    done ;;
+  t5) run t5 ${T5_LIMIT_S:-300} $T5 --concurrency ${T5_CONC:-1,8,64} --num-requests ${T5_NUM:-8,32,128} --warmup 2 \
+        --baseline "$BASELINES" ;;
+  ablate)
+    printf 'cuda_graph_config: null\nkv_cache_config:\n  cross_kv_cache_fraction: 0.5\n' >"$WORK/nographs.yaml"
+    printf 'disable_overlap_scheduler: true\nkv_cache_config:\n  cross_kv_cache_fraction: 0.5\n' >"$WORK/nooverlap.yaml"
+    printf 'attn_backend: torch\ncuda_graph_config: null\nkv_cache_config:\n  cross_kv_cache_fraction: 0.5\n' >"$WORK/torchattn.yaml"
+    for v in nographs nooverlap torchattn; do
+      run "t5-$v" ${ABLATE_LIMIT_S:-45} $T5 --config "$WORK/$v.yaml" --concurrency 1,64 --num-requests 4,64 --warmup 1
+    done
+    for v in nographs nooverlap torchattn; do
+      run "whisper-$v" ${ABLATE_LIMIT_S:-45} $WH --config "$WORK/$v.yaml" --concurrency 1,64 --num-requests 4,64 --warmup 1
+    done ;;
+  whisper) run whisper ${WHISPER_LIMIT_S:-300} $WH --concurrency ${WHISPER_CONC:-1,8,32,64} \
+        --num-requests ${WHISPER_NUM:-4,16,64,128} --warmup 1 --baseline "$BASELINES" ;;
+  rtf) OUT=$WORK RUN_LIMIT_S=${RTF_LIMIT_S:-100} timeout ${RTF_TOTAL_S:-400} bash bench/transcribe_rtf.sh 2>&1 | tail -7 ;;
+  eval)
+    if [ -d /tmp/real/whisper-base ] && [ -d /tmp/real/speech ]; then
+      echo "enc2dec eval --task transcription --model /tmp/real/whisper-base --data /tmp/real/speech/manifest.jsonl --dtype bfloat16 --report-json eval-base-bf16.json" >>"$WORK/commands.txt"
+      timeout ${EVAL_LIMIT_S:-150} python -m enc2dec.cli.main eval --task transcription --model /tmp/real/whisper-base \
+          --data /tmp/real/speech/manifest.jsonl --dtype bfloat16 --report-json "$WORK/eval-base-bf16.json" \
+          >"$WORK/eval-base-bf16.log" 2>&1; echo "eval: exit $?"; tail -14 "$WORK/eval-base-bf16.log"
+    else echo "eval: real whisper-base not here"; fi ;;
+  beam) [ -f bench/beam_check.sh ] && OUT=$WORK timeout ${BEAM_LIMIT_S:-240} bash bench/beam_check.sh 2>&1 | tail -12 ;;
+  tp) [ -f bench/tp_check.sh ] && OUT=$WORK timeout ${TP_LIMIT_S:-300} bash bench/tp_check.sh 2>&1 | tail -16 ;;
+  *) echo "unknown section $section" ;;
+  esac
 done
-echo "== whisper-large-v3"
-run whisper ${WHISPER_LIMIT_S:-170} --model openai/whisper-large-v3 --load-format dummy --dtype bfloat16 \
-    --audio-seconds 30 --output-len 96 --concurrency 1,8,64 --num-requests 4,16,64 --warmup 1 \
-    --baseline hf,hf-compile --quiet
-python bench/summarize.py "$OUT"
+tar -czf "$OUT/results.tgz" -C "$WORK" . 2>/dev/null
+python bench/summarize.py "$WORK"

@@ -1,0 +1,90 @@
+"""Where a GPU step's time goes: torch.profiler over one static batch, kernels grouped by name.
+
+    python bench/profile_step.py --model google/flan-t5-large --concurrency 1 --output-len 64
+    python bench/profile_step.py --model openai/whisper-large-v3 --concurrency 64 --graphs off
+
+Prints wall time per generated token step, the GPU's busy time per step (sum of kernel
+durations), kernels launched per step, and the top kernels by total time. A diagnosis tool
+for the GPU fast path, not a benchmark: performance claims come from `enc2dec bench`.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import time
+
+import numpy as np
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from enc2dec.engine import LLM, KvCacheConfig, LlmArgs, SamplingParams
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="google/flan-t5-large")
+    ap.add_argument("--concurrency", type=int, default=1)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--graphs", choices=["on", "off"], default="on")
+    ap.add_argument("--overlap", choices=["on", "off"], default="on")
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--json", default=None, help="write the kernel table here")
+    a = ap.parse_args()
+
+    extra = {} if a.graphs == "on" else {"cuda_graph_config": None}
+    args = LlmArgs.from_dict(extra, model=a.model, load_format="dummy", dtype="bfloat16",
+                             kv_cache_config=KvCacheConfig(cross_kv_cache_fraction=0.5),
+                             disable_overlap_scheduler=a.overlap == "off")
+    llm = LLM.from_args(args)
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    whisper = llm.engine.is_whisper
+    vocab = llm.engine.hf_config.vocab_size
+    rng = np.random.default_rng(0)
+    if whisper:
+        prompts = [{"prompt": "", "multi_modal_data": {"audio": ((rng.standard_normal(16000 * 30) * 0.1
+                                                                 ).astype(np.float32), 16000)}}
+                   for _ in range(a.concurrency)]
+    else:
+        prompts = [rng.integers(10, min(30000, vocab - 1), a.input_len).tolist() for _ in range(a.concurrency)]
+    sp = SamplingParams(max_tokens=a.output_len, ignore_eos=True, temperature=0.0, detokenize=False)
+    llm.generate(prompts, sp, use_tqdm=False)                           # warm-up
+    sync()
+    t0 = time.perf_counter()
+    llm.generate(prompts, sp, use_tqdm=False)
+    sync()
+    wall_plain = time.perf_counter() - t0
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        llm.generate(prompts, sp, use_tqdm=False)
+        sync()
+        wall = time.perf_counter() - t0
+    llm.shutdown()
+
+    kernels = collections.defaultdict(lambda: [0, 0.0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            k = kernels[ev.name[:90]]
+            k[0] += 1
+            k[1] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+    steps = a.output_len
+    busy_us = sum(v[1] for v in kernels.values())
+    count = sum(v[0] for v in kernels.values())
+    print(f"\n{a.model} C={a.concurrency} graphs={a.graphs} overlap={a.overlap} out={a.output_len}")
+    print(f"wall {wall_plain * 1e3:.1f} ms unprofiled ({wall_plain * 1e3 / steps:.3f} ms/step), "
+          f"{wall * 1e3:.1f} ms profiled; GPU busy {busy_us / 1e3:.1f} ms ({busy_us / 1e3 / steps:.3f} ms/step); "
+          f"{count} kernels ({count / steps:.0f}/step)")
+    rows = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:a.top]
+    print(f"{'kernel':<90} {'calls':>7} {'total ms':>9} {'us/call':>8} {'%':>5}")
+    for name, (n, us) in rows:
+        print(f"{name:<90} {n:>7} {us / 1e3:>9.2f} {us / n:>8.1f} {100 * us / busy_us:>5.1f}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(model=a.model, concurrency=a.concurrency, graphs=a.graphs, overlap=a.overlap,
+                           output_len=a.output_len, wall_ms=wall_plain * 1e3, busy_ms=busy_us / 1e3,
+                           kernels=[dict(name=n, calls=c, total_us=t) for n, (c, t) in rows]), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
