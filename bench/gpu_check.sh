@@ -21,12 +21,10 @@ REPO=$PWD
 export OUT=$(realpath -m "${OUT:-./gpu-out}"); mkdir -p "$OUT"
 export WORK=${WORK:-/tmp/gpu-out}; mkdir -p "$WORK"
 SECTIONS=${*:-tests t5 ablate whisper}
-# Run the committed tree only (work in progress beside it stays out of the measurement).
-if git rev-parse --verify -q HEAD >/dev/null; then
-  git rev-parse --short HEAD | tee "$WORK/commit.txt"
-  rm -rf /tmp/enc2dec-src && mkdir -p /tmp/enc2dec-src && git archive HEAD | tar -x -C /tmp/enc2dec-src
-  cd /tmp/enc2dec-src
-fi
+# The commit measured: $COMMIT when the caller passes it (the device's copy of .git can lag the
+# working tree it receives), else HEAD here, marked "+dirty" when the tree differs from it.
+if [ -n "${COMMIT:-}" ]; then echo "$COMMIT" ; else
+  echo "$(git rev-parse --short HEAD 2>/dev/null)$(git diff --quiet HEAD 2>/dev/null || echo +dirty)"; fi | tee "$WORK/commit.txt"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 HF_HUB_OFFLINE=1
 if ls "$REPO"/.whl/*.whl >/dev/null 2>&1 && [ ! -e /tmp/site/.done ]; then
   python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -36,7 +34,7 @@ fi
 python -m pip install -q --no-deps --no-build-isolation -e . >"$WORK/install.log" 2>&1 || tail -3 "$WORK/install.log"
 if ls -d "$REPO"/.carry* >/dev/null 2>&1; then
   python bench/carry_real.py unpack "$REPO" /tmp/real 2>&1 | tail -4
-  for d in "$REPO"/.carry*/speech; do [ -d "$d" ] && cp -rn "$d" /tmp/real/; done
+  for d in "$REPO"/.carry*/speech; do [ -d "$d" ] && [ ! -d /tmp/real/speech ] && cp -r "$d" /tmp/real/; done
   export ENC2DEC_REAL_MODELS=/tmp/real
 fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
