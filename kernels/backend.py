@@ -25,35 +25,50 @@ from .reference import token_seq_index
 class TritonAttentionBackend:
     name = "triton"
 
+    def __init__(self):
+        self._enc_prep = None     # (meta, bias_table, dtype, prepared): one encoder forward's masks
+
     def encoder_attention(self, q, k, v, meta, scale: float,
                           bias_table: torch.Tensor | None = None) -> torch.Tensor:
         """Bidirectional attention over a packed encoder batch; q, k, v: [T, H, D]."""
         num_tokens, num_heads, head_dim = q.shape
         batch, max_len = meta.batch_size, meta.max_seqlen
-        pos = torch.arange(max_len, device=q.device)                          # [L]
+        prep = self._prepare_encoder(meta, bias_table, q.dtype, q.device, num_tokens)
+        if num_tokens == batch * max_len:
+            # Equal lengths (every Whisper batch): a plain reshape, no padding mask.
+            qb, kb, vb = (t.reshape(batch, max_len, num_heads, head_dim).transpose(1, 2) for t in (q, k, v))
+            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=prep["mask"], scale=scale)   # [B, H, L, D]
+            return o.transpose(1, 2).reshape(num_tokens, num_heads, head_dim)
+        qb, kb, vb = (t[prep["index"]].transpose(1, 2) for t in (q, k, v))   # [B, H, L, D]
+        o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=prep["mask"], scale=scale)   # [B, H, L, D]
+        return o.transpose(1, 2)[prep["seq"], prep["offset"]]                 # [T, H, D]
+
+    def _prepare_encoder(self, meta, bias_table, dtype, device, num_tokens: int) -> dict:
+        """The bias, padding mask and gather indices of one encoder microbatch, built at its
+        first layer and reused by the others (the same ``meta`` and table objects)."""
+        cached = self._enc_prep
+        if cached is not None and cached[0] is meta and cached[1] is bias_table and cached[2] == dtype:
+            return cached[3]
+        batch, max_len = meta.batch_size, meta.max_seqlen
+        pos = torch.arange(max_len, device=device)                            # [L]
         bias = None
         if bias_table is not None:
             width = bias_table.shape[1]                                       # 2 * L_table - 1
             rel = (pos[None, :] - pos[:, None] + (width - 1) // 2).clamp(0, width - 1)   # [L, L] k - q
-            bias = bias_table[:, rel].to(q.dtype)[None]                       # [1, H, L, L]
-        if num_tokens == batch * max_len:
-            # Equal lengths (every Whisper batch): a plain reshape, no padding mask.
-            qb, kb, vb = (t.reshape(batch, max_len, num_heads, head_dim).transpose(1, 2) for t in (q, k, v))
-            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=bias, scale=scale)   # [B, H, L, D]
-            return o.transpose(1, 2).reshape(num_tokens, num_heads, head_dim)
-        cu = meta.cu_seqlens.long()                                           # [B + 1]
-        lens = cu[1:] - cu[:-1]                                               # [B]
-        index = (cu[:-1, None] + pos[None, :]).clamp(max=num_tokens - 1)      # [B, L]
-        qb, kb, vb = (t[index].transpose(1, 2) for t in (q, k, v))            # [B, H, L, D]
-        is_pad = pos[None, :] >= lens[:, None]                                # [B, L]
-        mask = torch.zeros((batch, 1, 1, max_len), dtype=q.dtype, device=q.device)
-        mask.masked_fill_(is_pad[:, None, None, :], float("-inf"))            # [B, 1, 1, L]
-        if bias is not None:
-            mask = mask + bias                                                # [B, H, L, L]
-        o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale)   # [B, H, L, D]
-        seq = token_seq_index(cu, num_tokens)                                 # [T]
-        offset = torch.arange(num_tokens, device=q.device) - cu[seq]          # [T]
-        return o.transpose(1, 2)[seq, offset]                                 # [T, H, D]
+            bias = bias_table[:, rel].to(dtype)[None]                         # [1, H, L, L]
+        prep = {"mask": bias}
+        if num_tokens != batch * max_len:
+            cu = meta.cu_seqlens.long()                                       # [B + 1]
+            lens = cu[1:] - cu[:-1]                                           # [B]
+            prep["index"] = (cu[:-1, None] + pos[None, :]).clamp(max=num_tokens - 1)   # [B, L]
+            is_pad = pos[None, :] >= lens[:, None]                            # [B, L]
+            mask = torch.zeros((batch, 1, 1, max_len), dtype=dtype, device=device)
+            mask.masked_fill_(is_pad[:, None, None, :], float("-inf"))        # [B, 1, 1, L]
+            prep["mask"] = mask if bias is None else mask + bias              # [B, H|1, L, L]
+            prep["seq"] = token_seq_index(cu, num_tokens)                     # [T]
+            prep["offset"] = torch.arange(num_tokens, device=device) - cu[prep["seq"]]   # [T]
+        self._enc_prep = (meta, bias_table, dtype, prep)
+        return prep
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         store_kv(k, v, k_cache, v_cache, slot_mapping)

@@ -270,6 +270,19 @@ def test_backend_encoder_attention_matches_torch_backend(seq_lens, with_bias):
     assert_close(got, expected, torch.float32)
 
 
+def test_backend_encoder_masks_are_reused_per_microbatch_only():
+    """Layers of one encoder forward share its masks; a new microbatch (a new meta) gets its own."""
+    g = torch.Generator().manual_seed(7)
+    backend, ref = TritonAttentionBackend(), TorchAttentionBackend()
+    bias = torch.randn(2, 2 * 16 - 1, generator=g).to(DEVICE)
+    for seq_lens in ([5, 9, 3], [4, 4], [2, 11]):
+        meta = encoder_meta(seq_lens)
+        for _layer in range(2):
+            q, k, v = (torch.randn(sum(seq_lens), 2, 64, generator=g).to(DEVICE) for _ in range(3))
+            assert_close(backend.encoder_attention(q, k, v, meta, 1.0, bias),
+                         ref.encoder_attention(q, k, v, meta, 1.0, bias), torch.float32)
+
+
 def test_fallback_without_triton_uses_reference(monkeypatch):
     monkeypatch.setattr(kernels, "triton_available", lambda: False)
     case = make_paged_case([20, 3], [1, 1], 2, 64, seed=1)

@@ -7,6 +7,7 @@ Whisper's (pre-norm, with a k_proj that has no bias).
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -14,7 +15,7 @@ from torch import nn
 
 from enc2dec.engine.attention import DecoderMetadata, EncoderMetadata, KVCache, LayerKV
 from enc2dec.engine.models.base import EncoderDecoderLM
-from enc2dec.engine.models.layers import CrossAttention, DenseMLP, SelfAttention, clamp_fp16
+from enc2dec.engine.models.layers import CrossAttention, DenseMLP, LayerNorm, SelfAttention
 
 # Checkpoint names of BART, mBART and Whisper equal ours after "model." is stripped,
 # except for the fused projections, the MLP submodule and Whisper's proj_out.
@@ -29,13 +30,28 @@ POSITION_OFFSET = 2
 
 
 class _Sublayers(nn.Module):
+    """Residual sublayers, pre-norm (mBART, Whisper) or post-norm (BART).
+
+    Pre-norm layers hand their last residual add to the next norm: ``forward`` takes the
+    previous layer's pending ``delta`` and returns ``(delta, h)`` with ``h + delta`` the
+    layer's output, so every add rides in a fused add+norm kernel (``LayerNorm.add_forward``).
+    Post-norm layers fuse ``norm(h + fn(h))`` directly and return no pending delta.
+    """
+
     def __init__(self, pre_norm: bool):
         super().__init__()
         self.pre_norm = pre_norm
 
-    def residual(self, h: torch.Tensor, norm: nn.LayerNorm, fn) -> torch.Tensor:
-        out = h + fn(norm(h)) if self.pre_norm else norm(h + fn(h))
-        return clamp_fp16(out)
+    def sublayers(self, h: torch.Tensor, delta: torch.Tensor | None, steps) -> tuple[torch.Tensor | None, torch.Tensor]:
+        # steps: [(norm, fn)] in order
+        if not self.pre_norm:
+            for norm, fn in steps:
+                h = norm.add_forward(fn(h), h)[0]
+            return None, h
+        for norm, fn in steps:
+            x, h = (norm(h), h) if delta is None else norm.add_forward(delta, h)
+            delta = fn(x)
+        return delta, h
 
 
 class BartEncoderLayer(_Sublayers):
@@ -43,13 +59,13 @@ class BartEncoderLayer(_Sublayers):
         super().__init__(pre_norm)
         scale = (d // heads) ** -0.5
         self.self_attn = SelfAttention(d, heads, d // heads, bias=True, scale=scale, backend=backend, k_bias=k_bias)
-        self.self_attn_layer_norm = nn.LayerNorm(d)
+        self.self_attn_layer_norm = LayerNorm(d)
         self.mlp = DenseMLP(d, ffn, act, bias=True)
-        self.final_layer_norm = nn.LayerNorm(d)
+        self.final_layer_norm = LayerNorm(d)
 
-    def forward(self, h: torch.Tensor, meta: EncoderMetadata) -> torch.Tensor:
-        h = self.residual(h, self.self_attn_layer_norm, lambda x: self.self_attn.encode(x, meta))
-        return self.residual(h, self.final_layer_norm, self.mlp)
+    def forward(self, h: torch.Tensor, meta: EncoderMetadata, delta: torch.Tensor | None = None):
+        return self.sublayers(h, delta, [(self.self_attn_layer_norm, lambda x: self.self_attn.encode(x, meta)),
+                                         (self.final_layer_norm, self.mlp)])
 
 
 class BartDecoderLayer(_Sublayers):
@@ -57,17 +73,30 @@ class BartDecoderLayer(_Sublayers):
         super().__init__(pre_norm)
         scale = (d // heads) ** -0.5
         self.self_attn = SelfAttention(d, heads, d // heads, bias=True, scale=scale, backend=backend, k_bias=k_bias)
-        self.self_attn_layer_norm = nn.LayerNorm(d)
+        self.self_attn_layer_norm = LayerNorm(d)
         self.encoder_attn = CrossAttention(d, heads, d // heads, bias=True, scale=scale, backend=backend,
                                            k_bias=k_bias)
-        self.encoder_attn_layer_norm = nn.LayerNorm(d)
+        self.encoder_attn_layer_norm = LayerNorm(d)
         self.mlp = DenseMLP(d, ffn, act, bias=True)
-        self.final_layer_norm = nn.LayerNorm(d)
+        self.final_layer_norm = LayerNorm(d)
 
-    def forward(self, h: torch.Tensor, meta: DecoderMetadata, self_kv: LayerKV, cross_kv: LayerKV) -> torch.Tensor:
-        h = self.residual(h, self.self_attn_layer_norm, lambda x: self.self_attn.decode(x, meta, self_kv))
-        h = self.residual(h, self.encoder_attn_layer_norm, lambda x: self.encoder_attn(x, meta, cross_kv))
-        return self.residual(h, self.final_layer_norm, self.mlp)
+    def forward(self, h: torch.Tensor, meta: DecoderMetadata, self_kv: LayerKV, cross_kv: LayerKV,
+                delta: torch.Tensor | None = None):
+        return self.sublayers(h, delta, [
+            (self.self_attn_layer_norm, lambda x: self.self_attn.decode(x, meta, self_kv)),
+            (self.encoder_attn_layer_norm, lambda x: self.encoder_attn(x, meta, cross_kv)),
+            (self.final_layer_norm, self.mlp)])
+
+
+def run_layers(h: torch.Tensor, layer_calls, final_norm) -> torch.Tensor:
+    """Apply BART-style layers (``layer_calls``: one ``(h, delta) -> (delta, h)`` per layer),
+    then ``final_norm`` (None for post-norm stacks) with the last pending residual add fused in."""
+    delta = None
+    for call in layer_calls:
+        delta, h = call(h, delta=delta)
+    if final_norm is None:
+        return h if delta is None else h + delta
+    return final_norm(h) if delta is None else final_norm.add_forward(delta, h)[0]
 
 
 class _BartStack(nn.Module):
@@ -81,16 +110,13 @@ class _BartStack(nn.Module):
             n, heads, ffn, layer_cls = (config.encoder_layers, config.encoder_attention_heads,
                                         config.encoder_ffn_dim, BartEncoderLayer)
         self.embed_positions = nn.Embedding(config.max_position_embeddings + POSITION_OFFSET, d)
-        self.layernorm_embedding = nn.LayerNorm(d)
+        self.layernorm_embedding = LayerNorm(d)
         self.layers = nn.ModuleList(layer_cls(d, heads, ffn, config.activation_function, pre_norm, backend)
                                     for _ in range(n))
-        self.layer_norm = nn.LayerNorm(d) if pre_norm else None
+        self.layer_norm = LayerNorm(d) if pre_norm else None
 
     def embed(self, tok_embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.layernorm_embedding(tok_embeds + self.embed_positions(positions + POSITION_OFFSET))
-
-    def finish(self, h: torch.Tensor) -> torch.Tensor:
-        return self.layer_norm(h) if self.layer_norm is not None else h
+        return self.layernorm_embedding.add_forward(tok_embeds, self.embed_positions(positions + POSITION_OFFSET))[0]
 
 
 class BartForConditionalGeneration(EncoderDecoderLM):
@@ -116,16 +142,15 @@ class BartForConditionalGeneration(EncoderDecoderLM):
 
     def encode(self, input_ids: torch.Tensor, meta: EncoderMetadata) -> torch.Tensor:
         h = self.encoder.embed(self.embed_tokens(input_ids) * self.embed_scale, meta.positions)   # [T, d]
-        for layer in self.encoder.layers:
-            h = layer(h, meta)
-        return self.encoder.finish(h)
+        return run_layers(h, [functools.partial(layer, meta=meta) for layer in self.encoder.layers],
+                          self.encoder.layer_norm)
 
     def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: DecoderMetadata,
                kv: KVCache) -> torch.Tensor:
         h = self.decoder.embed(self.embed_tokens(input_ids) * self.embed_scale, positions)        # [N, d]
-        for layer, self_kv, cross_kv in zip(self.decoder.layers, kv.self_kv, kv.cross_kv):
-            h = layer(h, meta, self_kv, cross_kv)
-        return self.decoder.finish(h)
+        calls = [functools.partial(layer, meta=meta, self_kv=skv, cross_kv=ckv)
+                 for layer, skv, ckv in zip(self.decoder.layers, kv.self_kv, kv.cross_kv)]
+        return run_layers(h, calls, self.decoder.layer_norm)
 
 
 class MBartForConditionalGeneration(BartForConditionalGeneration):

@@ -15,7 +15,7 @@ from torch import nn
 
 from enc2dec.engine.attention import DecoderMetadata, EncoderMetadata, LayerKV
 from enc2dec.kernels.activations import gated_gelu
-from enc2dec.kernels.norms import fused_add_rms_norm
+from enc2dec.kernels.norms import fused_add_layer_norm, fused_add_rms_norm
 
 _gelu_tanh = functools.partial(F.gelu, approximate="tanh")
 
@@ -67,6 +67,23 @@ class RMSNorm(nn.Module):
             return fused_add_rms_norm(x, residual, self.weight, self.eps)
         h = clamp_fp16(residual + x)
         return self(h), h
+
+
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm (BART, mBART, Whisper) whose residual add can ride in the norm's kernel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            return fused_add_layer_norm(x, None, self.weight, self.bias, self.eps)[0]
+        return super().forward(x)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): one kernel on the GPU outside float16, whose
+        residual stream needs transformers' clamp between the add and the norm."""
+        if x.is_cuda and x.dtype != torch.float16:
+            return fused_add_layer_norm(x, residual, self.weight, self.bias, self.eps)
+        h = clamp_fp16(residual + x)
+        return super().forward(h), h
 
 
 class MergedLinear(nn.Linear):

@@ -15,8 +15,7 @@ from torch import nn
 
 from enc2dec.engine.attention import DecoderMetadata, EncoderMetadata, KVCache, LayerKV
 from enc2dec.engine.models.base import EncoderDecoderLM
-from enc2dec.engine.models.layers import (CrossAttention, DenseMLP, GatedMLP, RMSNorm, SelfAttention,
-                                          clamp_fp16)
+from enc2dec.engine.models.layers import CrossAttention, DenseMLP, GatedMLP, RMSNorm, SelfAttention
 
 _QKV = {"q": 0, "k": 1, "v": 2}
 _KV = {"k": 0, "v": 1}
@@ -60,17 +59,19 @@ class T5Layer(nn.Module):
         else:
             self.mlp = DenseMLP(d, config.d_ff, config.dense_act_fn, bias=False, option="feed_forward_proj")
 
-    def encode(self, h: torch.Tensor, meta: EncoderMetadata, bias_table: torch.Tensor) -> torch.Tensor:
-        h = clamp_fp16(h + self.self_attn.encode(self.self_attn_norm(h), meta, bias_table))
-        return clamp_fp16(h + self.mlp(self.mlp_norm(h)))
+    # Both directions return ``(delta, h)`` with ``h + delta`` the layer's output: the last
+    # residual add rides in the next layer's first norm (or the final norm) kernel.
+    def encode(self, h: torch.Tensor, delta: torch.Tensor | None, meta: EncoderMetadata, bias: torch.Tensor):
+        x, h = (self.self_attn_norm(h), h) if delta is None else self.self_attn_norm.add_forward(delta, h)
+        x, h = self.mlp_norm.add_forward(self.self_attn.encode(x, meta, bias), h)
+        return self.mlp(x), h
 
-    def decode(self, h: torch.Tensor, meta: DecoderMetadata, self_kv: LayerKV, cross_kv: LayerKV,
-               bias_table: torch.Tensor) -> torch.Tensor:
-        # Each residual add rides in the next norm's kernel (RMSNorm.add_forward).
-        attn = self.self_attn.decode(self.self_attn_norm(h), meta, self_kv, bias_table)
-        x, h = self.encoder_attn_norm.add_forward(attn, h)
+    def decode(self, h: torch.Tensor, delta: torch.Tensor | None, meta: DecoderMetadata, self_kv: LayerKV,
+               cross_kv: LayerKV, bias_table: torch.Tensor):
+        x, h = (self.self_attn_norm(h), h) if delta is None else self.self_attn_norm.add_forward(delta, h)
+        x, h = self.encoder_attn_norm.add_forward(self.self_attn.decode(x, meta, self_kv, bias_table), h)
         x, h = self.mlp_norm.add_forward(self.encoder_attn(x, meta, cross_kv), h)
-        return clamp_fp16(h + self.mlp(x))
+        return self.mlp(x), h
 
 
 class T5Stack(nn.Module):
@@ -150,15 +151,17 @@ class T5ForConditionalGeneration(EncoderDecoderLM):
     def encode(self, input_ids: torch.Tensor, meta: EncoderMetadata) -> torch.Tensor:
         h = self.embed_tokens(input_ids)                                        # [T, d]
         bias = self.encoder.bias_table(meta.max_seqlen)                         # [H, 2L-1]
+        delta = None
         for layer in self.encoder.layers:
-            h = layer.encode(h, meta, bias)
-        return self.encoder.final_norm(h)
+            delta, h = layer.encode(h, delta, meta, bias)
+        return self.encoder.final_norm.add_forward(delta, h)[0]
 
     def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: DecoderMetadata,
                kv: KVCache) -> torch.Tensor:
         # positions are implied by meta (relative bias); the argument keeps one signature for all models.
         h = self.embed_tokens(input_ids)                                        # [N, d]
         bias = self.decoder.bias_table(max(meta.seq_lens_host))                 # [H, L]
+        delta = None
         for layer, self_kv, cross_kv in zip(self.decoder.layers, kv.self_kv, kv.cross_kv):
-            h = layer.decode(h, meta, self_kv, cross_kv, bias)
-        return self.decoder.final_norm(h)
+            delta, h = layer.decode(h, delta, meta, self_kv, cross_kv, bias)
+        return self.decoder.final_norm.add_forward(delta, h)[0]

@@ -5,13 +5,16 @@ bias; the LM head is tied to the decoder embedding.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from enc2dec.engine.attention import DecoderMetadata, EncoderMetadata, KVCache
-from enc2dec.engine.models.bart import BART_STYLE_RULES, BartDecoderLayer, BartEncoderLayer
+from enc2dec.engine.models.bart import BART_STYLE_RULES, BartDecoderLayer, BartEncoderLayer, run_layers
 from enc2dec.engine.models.base import EncoderDecoderLM
+from enc2dec.engine.models.layers import LayerNorm
 
 
 class WhisperEncoder(nn.Module):
@@ -25,7 +28,7 @@ class WhisperEncoder(nn.Module):
             BartEncoderLayer(d, config.encoder_attention_heads, config.encoder_ffn_dim, config.activation_function,
                              pre_norm=True, backend=backend, k_bias=False)
             for _ in range(config.encoder_layers))
-        self.layer_norm = nn.LayerNorm(d)
+        self.layer_norm = LayerNorm(d)
 
 
 class WhisperDecoder(nn.Module):
@@ -37,7 +40,7 @@ class WhisperDecoder(nn.Module):
             BartDecoderLayer(d, config.decoder_attention_heads, config.decoder_ffn_dim, config.activation_function,
                              pre_norm=True, backend=backend, k_bias=False)
             for _ in range(config.decoder_layers))
-        self.layer_norm = nn.LayerNorm(d)
+        self.layer_norm = LayerNorm(d)
 
 
 class WhisperForConditionalGeneration(EncoderDecoderLM):
@@ -64,14 +67,12 @@ class WhisperForConditionalGeneration(EncoderDecoderLM):
         x = F.gelu(enc.conv2(x))                                           # [B, d, frames / 2]
         x = x.transpose(1, 2) + enc.embed_positions.weight[:x.shape[2]]   # [B, T, d]
         h = x.reshape(-1, x.shape[2])                                      # [B * T, d], packed like meta
-        for layer in enc.layers:
-            h = layer(h, meta)
-        return enc.layer_norm(h)
+        return run_layers(h, [functools.partial(layer, meta=meta) for layer in enc.layers], enc.layer_norm)
 
     def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: DecoderMetadata,
                kv: KVCache) -> torch.Tensor:
         dec = self.decoder
         h = self.embed_tokens(input_ids) + dec.embed_positions(positions)  # [N, d]
-        for layer, self_kv, cross_kv in zip(dec.layers, kv.self_kv, kv.cross_kv):
-            h = layer(h, meta, self_kv, cross_kv)
-        return dec.layer_norm(h)
+        calls = [functools.partial(layer, meta=meta, self_kv=skv, cross_kv=ckv)
+                 for layer, skv, ckv in zip(dec.layers, kv.self_kv, kv.cross_kv)]
+        return run_layers(h, calls, dec.layer_norm)

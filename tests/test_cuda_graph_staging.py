@@ -1,0 +1,51 @@
+"""The decode-graph staging layout (plain numpy, no GPU): what a replayed graph reads."""
+import random
+
+import numpy as np
+
+from enc2dec.engine.batch import ScheduledSeq
+from enc2dec.engine.cuda_graph import fill_staging
+
+B, TPB, SELF_W, CROSS_W = 8, 4, 6, 5
+
+
+def _seqs(n, seed):
+    rnd = random.Random(seed)
+    seqs = []
+    for i in range(n):
+        seq_len = rnd.randint(1, SELF_W * TPB)
+        blocks = rnd.sample(range(100), -(-seq_len // TPB))
+        enc_len = rnd.randint(1, CROSS_W * TPB)
+        seqs.append(ScheduledSeq(seq_id=i, request_id=f"r{i}", input_token_ids=[rnd.randint(0, 500)],
+                                 start_pos=seq_len - 1, block_ids=blocks,
+                                 cross_block_ids=rnd.sample(range(100), -(-enc_len // TPB)), encoder_len=enc_len,
+                                 num_output_tokens=0))
+    return seqs
+
+
+def _fields(h64, h32):
+    o_bt = 3 * B + 1
+    return dict(ids=h64[:B], pos=h64[B:2 * B], slots=h64[2 * B:3 * B], last=h64[3 * B:],
+                qsl=h32[:B + 1], seq_lens=h32[B + 1:2 * B + 1], enc_lens=h32[2 * B + 1:3 * B + 1],
+                bt=h32[o_bt:o_bt + B * SELF_W].reshape(B, SELF_W),
+                cbt=h32[o_bt + B * SELF_W:].reshape(B, CROSS_W))
+
+
+def test_staging_rows_hold_each_sequence_and_padding_rows_write_nowhere():
+    n32 = (B + 1) + 2 * B + B * SELF_W + B * CROSS_W
+    h64, h32 = np.full(4 * B, 77, np.int64), np.full(n32, 77, np.int32)    # poisoned: stale values must go
+    for n in (0, 1, 5, B):
+        seqs = _seqs(n, seed=n)
+        fill_staging(h64, h32, seqs, B, TPB, SELF_W, CROSS_W)
+        f = _fields(h64, h32)
+        assert f["last"].tolist() == list(range(B)) and f["qsl"].tolist() == list(range(B + 1))
+        for i, s in enumerate(seqs):
+            p = s.start_pos
+            assert f["ids"][i] == s.input_token_ids[0] and f["pos"][i] == p
+            assert f["slots"][i] == s.block_ids[p // TPB] * TPB + p % TPB
+            assert f["seq_lens"][i] == s.seq_len and f["enc_lens"][i] == s.encoder_len
+            assert f["bt"][i].tolist() == s.block_ids + [0] * (SELF_W - len(s.block_ids))
+            assert f["cbt"][i].tolist() == s.cross_block_ids + [0] * (CROSS_W - len(s.cross_block_ids))
+        for i in range(n, B):          # padding: slot -1, one key, one encoder position, block 0
+            assert f["slots"][i] == -1 and f["seq_lens"][i] == 1 and f["enc_lens"][i] == 1
+            assert not f["bt"][i].any() and not f["cbt"][i].any() and f["ids"][i] == 0
