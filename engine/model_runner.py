@@ -13,6 +13,7 @@ import torch
 
 from .attention import DecoderMetadata, EncoderMetadata, KVCache, get_attention_backend
 from .batch import ModelRunnerOutput, SampledToken, ScheduledEncode, ScheduledSeq, SchedulerOutput
+from .fast_linear import skinny_linear_enabled, use_skinny_linear
 from .kv_sizing import kv_bytes_per_token, plan_kv_pools
 from .loader import load_model
 from .request import PLACEHOLDER_TOKEN_ID
@@ -65,6 +66,8 @@ class ModelRunner:
 
             self.log_mel = LogMel(feature_extractor, device)
         self.model = load_model(model_path, hf_config, self.backend, dtype, device, args.load_format)
+        if skinny_linear_enabled(device, self.backend.name):
+            use_skinny_linear(self.model)
         self.tokens_per_block = args.kv_cache_config.tokens_per_block
         self.kv_plan = self._plan_kv()
         self.kv = KVCache.allocate(self.model.num_decoder_layers, self.model.num_decoder_heads,

@@ -7,7 +7,8 @@ every public op falls back to its torch reference when Triton cannot run the ten
 
 Public ops (each has a ``*_ref`` twin with the same signature in ``reference.py``):
 
-    paged_attention, store_kv, fused_add_rms_norm, fused_add_layer_norm, gelu, gated_gelu
+    paged_attention, store_kv, fused_add_rms_norm, fused_add_layer_norm, gelu, gated_gelu,
+    skinny_linear
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ _LAZY = {
     "fused_add_layer_norm": "norms",
     "gelu": "activations",
     "gated_gelu": "activations",
+    "skinny_linear": "skinny_gemm",
     "TritonAttentionBackend": "backend",
 }
 

@@ -92,3 +92,8 @@ def gated_gelu_ref(x, approximate: str = "tanh"):
     """``x [..., 2F]`` = gate | up halves -> ``gelu(gate) * up [..., F]`` (T5 v1.1 gated-gelu)."""
     gate, up = x.float().chunk(2, dim=-1)
     return (F.gelu(gate, approximate=approximate) * up).to(x.dtype)
+
+
+def skinny_linear_ref(x, weight, bias=None):
+    """``x @ weight.T + bias`` (the library GEMM)."""
+    return F.linear(x, weight, bias)

@@ -28,6 +28,7 @@ from enc2dec.kernels.backend import TritonAttentionBackend
 from enc2dec.kernels.kv_store import store_kv
 from enc2dec.kernels.norms import fused_add_layer_norm, fused_add_rms_norm
 from enc2dec.kernels.paged_attention import paged_attention
+from enc2dec.kernels.skinny_gemm import skinny_linear
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # fp32 math in kernel and reference; only summation order differs.
@@ -268,6 +269,46 @@ def test_backend_encoder_attention_matches_torch_backend(seq_lens, with_bias):
     got = TritonAttentionBackend().encoder_attention(q, k, v, meta, 1.0, bias)
     expected = TorchAttentionBackend().encoder_attention(q, k, v, meta, 1.0, bias)
     assert_close(got, expected, torch.float32)
+
+
+@pytest.mark.parametrize("rows,n,k", [(1, 37, 100), (3, 64, 257), (8, 4100, 96), (16, 9, 600), (5, 1, 1)])
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_skinny_linear_matches_reference(rows, n, k, with_bias, dtype):
+    g = torch.Generator().manual_seed(rows * 1000 + n)
+    x = torch.randn(rows, k, generator=g).to(DEVICE, dtype)
+    w = torch.randn(n, k, generator=g).to(DEVICE, dtype) / k ** 0.5
+    b = torch.randn(n, generator=g).to(DEVICE, dtype) if with_bias else None
+    got = skinny_linear(x, w, b)
+    assert got.shape == (rows, n) and got.dtype == dtype
+    assert_close(got, ref.skinny_linear_ref(x.float(), w.float(), None if b is None else b.float()), dtype)
+
+
+def test_skinny_linear_keeps_leading_dims_and_hands_wide_inputs_to_the_library():
+    x = torch.randn(2, 3, 40).to(DEVICE)                 # 6 rows in a 3-D batch
+    w = torch.randn(24, 40).to(DEVICE)
+    assert_close(skinny_linear(x, w), ref.skinny_linear_ref(x, w), torch.float32)
+    wide = torch.randn(40, 40).to(DEVICE)               # 40 rows > MAX_ROWS: F.linear path
+    assert_close(skinny_linear(wide, w), ref.skinny_linear_ref(wide, w), torch.float32)
+
+
+def test_use_skinny_linear_rebinds_plain_linears_only():
+    from torch import nn
+
+    from enc2dec.engine.fast_linear import use_skinny_linear
+    from enc2dec.engine.models.layers import MergedLinear
+
+    class AllReduceLinear(nn.Linear):       # stands for a layer whose forward does more than a matmul
+        pass
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(40, 24), MergedLinear(24, 8, 2, bias=True), AllReduceLinear(16, 4)).to(DEVICE)
+    few, many = torch.randn(3, 40).to(DEVICE), torch.randn(40, 40).to(DEVICE)
+    expected = [model(few), model(many)]
+    assert use_skinny_linear(model) == 2
+    assert "forward" in vars(model[0]) and "forward" in vars(model[1]) and "forward" not in vars(model[2])
+    for x, e in zip((few, many), expected):
+        assert_close(model(x), e, torch.float32)
 
 
 def test_backend_encoder_masks_are_reused_per_microbatch_only():

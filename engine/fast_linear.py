@@ -1,0 +1,47 @@
+"""Decode-step projections through the skinny GEMV kernel, applied from outside the models.
+
+A decoder step at small batch multiplies a few rows by every weight matrix once; there the
+library GEMM reaches a fraction of the memory bandwidth, and ``kernels.skinny_linear``
+streams the weights instead. ``use_skinny_linear(model)`` rebinds the ``forward`` of every
+plain ``nn.Linear`` (fused ``MergedLinear`` included) so calls with at most
+``MAX_ROWS`` rows take the kernel and larger ones (encoder batches, prompt steps) keep
+``F.linear``. Subclasses that do more than a matmul (tensor-parallel row layers that
+all-reduce) are left alone. ``ENC2DEC_SKINNY_GEMM=0`` turns it off (ablation).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from enc2dec.engine.models.layers import MergedLinear
+
+logger = logging.getLogger("enc2dec")
+
+
+def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    from enc2dec.kernels.skinny_gemm import MAX_ROWS, skinny_linear
+
+    if x.shape[-1] and x.numel() // x.shape[-1] <= MAX_ROWS:
+        return skinny_linear(x, self.weight, self.bias)
+    return F.linear(x, self.weight, self.bias)
+
+
+def skinny_linear_enabled(device: torch.device, backend_name: str) -> bool:
+    return (device.type == "cuda" and backend_name == "triton"
+            and os.environ.get("ENC2DEC_SKINNY_GEMM", "1") != "0")
+
+
+def use_skinny_linear(model: nn.Module) -> int:
+    """Rebind plain linear layers of ``model``; returns how many."""
+    count = 0
+    for module in model.modules():
+        if type(module) in (nn.Linear, MergedLinear):
+            module.forward = types.MethodType(_forward, module)
+            count += 1
+    logger.info("skinny GEMV kernel on %d linear layers for steps of <= 16 rows", count)
+    return count
