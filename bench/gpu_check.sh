@@ -3,7 +3,8 @@
 #   tests    pytest -m gpu (engine GPU tests first, then kernels)
 #   profile  bench/profile_step.py: kernels per decoder step, T5 and Whisper, C=1 and 64
 #   t5       flan-t5-large 128/128 at T5_CONC against BASELINES (issue 4's targets)
-#   ablate   graphs off / overlap off / torch attention at C=1 and 64 (T5, then Whisper)
+#   ablate   graphs off / overlap off / torch attention / skinny GEMV off at C=1 and 64 (T5;
+#            Whisper too for the variants named in WHISPER_ABLATE)
 #   whisper  whisper-large-v3 30 s/96 tokens at WHISPER_CONC against BASELINES
 #   rtf      bench/transcribe_rtf.sh (10 minutes of audio, both long-form strategies)
 #   eval     enc2dec eval on the real LibriVox manifest with real Whisper base, bf16, vs HF
@@ -32,9 +33,13 @@ if ls "$REPO"/.whl/*.whl >/dev/null 2>&1 && [ ! -e /tmp/site/.done ]; then
 fi
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 python -m pip install -q --no-deps --no-build-isolation -e . >"$WORK/install.log" 2>&1 || tail -3 "$WORK/install.log"
+# Carried pieces do not survive between calls inside the repo: keep them under /tmp/carry.
 if ls -d "$REPO"/.carry* >/dev/null 2>&1; then
-  python bench/carry_real.py unpack "$REPO" /tmp/real 2>&1 | tail -4
-  for d in "$REPO"/.carry*/speech; do [ -d "$d" ] && [ ! -d /tmp/real/speech ] && cp -r "$d" /tmp/real/; done
+  mkdir -p /tmp/carry && cp -r "$REPO"/.carry*/. /tmp/carry/
+fi
+if [ -d /tmp/carry ]; then
+  python bench/carry_real.py unpack /tmp/carry /tmp/real 2>&1 | tail -4
+  [ -d /tmp/carry/speech ] && [ ! -f /tmp/real/speech/manifest.jsonl ] && mkdir -p /tmp/real && cp -r /tmp/carry/speech /tmp/real/
   export ENC2DEC_REAL_MODELS=/tmp/real
 fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -74,7 +79,8 @@ for section in $SECTIONS; do
     for v in nographs nooverlap torchattn; do
       run "t5-$v" ${ABLATE_LIMIT_S:-45} $T5 --config "$WORK/$v.yaml" --concurrency 1,64 --num-requests 4,64 --warmup 1
     done
-    for v in nographs nooverlap torchattn; do
+    ENC2DEC_SKINNY_GEMM=0 run t5-noskinny ${ABLATE_LIMIT_S:-45} $T5 --concurrency 1,64 --num-requests 4,64 --warmup 1
+    for v in ${WHISPER_ABLATE:-}; do
       run "whisper-$v" ${ABLATE_LIMIT_S:-45} $WH --config "$WORK/$v.yaml" --concurrency 1,64 --num-requests 4,64 --warmup 1
     done ;;
   whisper) run whisper ${WHISPER_LIMIT_S:-300} $WH --concurrency ${WHISPER_CONC:-1,8,32,64} \
@@ -92,5 +98,5 @@ for section in $SECTIONS; do
   *) echo "unknown section $section" ;;
   esac
 done
-tar -czf "$OUT/results.tgz" -C "$WORK" . 2>/dev/null
+tar -czf "$OUT/results.tgz" --exclude=./audio -C "$WORK" . 2>/dev/null
 python bench/summarize.py "$WORK"
