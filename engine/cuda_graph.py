@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from .attention import DecoderMetadata
+from .host_to_device import to_device
 
 logger = logging.getLogger("enc2dec")
 
@@ -114,7 +115,7 @@ class DecodeGraphRunner:
         self._dev32.copy_(host32, non_blocking=True)
         if fill:
             dst, src = zip(*fill)
-            self._dev64[list(dst)] = prev_tokens[list(src)]
+            self._dev64[to_device(dst, torch.long, self.device)] = prev_tokens[to_device(src, torch.long, self.device)]
         if not replay:
             return None
         b = next(size for size in self.sizes if size >= n)

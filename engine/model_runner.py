@@ -14,6 +14,7 @@ import torch
 from .attention import DecoderMetadata, EncoderMetadata, KVCache, get_attention_backend
 from .batch import ModelRunnerOutput, SampledToken, ScheduledEncode, ScheduledSeq, SchedulerOutput
 from .fast_linear import skinny_linear_enabled, use_skinny_linear
+from .host_to_device import to_device
 from .kv_sizing import kv_bytes_per_token, plan_kv_pools
 from .loader import load_model
 from .request import PLACEHOLDER_TOKEN_ID
@@ -179,17 +180,17 @@ class ModelRunner:
             slots += _slots(e.cross_block_ids, 0, e.encoder_len, tpb)
         positions = None
         if self.is_whisper:
-            inputs = torch.stack([torch.as_tensor(e.encoder_input) for e in encodes]).to(dev)
+            inputs = torch.stack([to_device(e.encoder_input, None, dev) for e in encodes])
             if inputs.dim() == 2:                       # raw 30 s waves: features on the device
                 inputs = self.log_mel(inputs)           # [B, n_mels, 3000]
             inputs = inputs.to(self.dtype)
         else:
             flat = [t for e in encodes for t in e.encoder_input]
-            inputs = torch.tensor(flat, dtype=torch.long, device=dev)
-            positions = torch.tensor([p for n in lens for p in range(n)], dtype=torch.long, device=dev)
+            inputs = to_device(flat, torch.long, dev)
+            positions = to_device([p for n in lens for p in range(n)], torch.long, dev)
         meta = EncoderMetadata(
-            cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=dev), seq_lens=lens, positions=positions,
-            cross_slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev))
+            cu_seqlens=to_device(cu, torch.int32, dev), seq_lens=lens, positions=positions,
+            cross_slot_mapping=to_device(slots, torch.long, dev))
         enc_hidden = self.model.encode(inputs, meta)                # [num_enc_tokens, d_model]
         self.model.write_cross_kv(enc_hidden, meta, self.kv)
 
@@ -203,21 +204,21 @@ class ModelRunner:
             slots += _slots(s.block_ids, s.start_pos, n, tpb)
             qsl.append(qsl[-1] + n)
             last.append(qsl[-1] - 1)
-        i32 = dict(dtype=torch.int32, device=dev)
+        i32, i64 = torch.int32, torch.long
         meta = DecoderMetadata(
-            query_start_loc=torch.tensor(qsl, **i32),
-            seq_lens=torch.tensor([s.seq_len for s in seqs], **i32),
-            block_tables=torch.tensor(_pad_table([s.block_ids for s in seqs]), **i32),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            cross_block_tables=torch.tensor(_pad_table([s.cross_block_ids for s in seqs]), **i32),
-            enc_lens=torch.tensor([s.encoder_len for s in seqs], **i32),
+            query_start_loc=to_device(qsl, i32, dev),
+            seq_lens=to_device([s.seq_len for s in seqs], i32, dev),
+            block_tables=to_device(_pad_table([s.block_ids for s in seqs]), i32, dev),
+            slot_mapping=to_device(slots, i64, dev),
+            cross_block_tables=to_device(_pad_table([s.cross_block_ids for s in seqs]), i32, dev),
+            enc_lens=to_device([s.encoder_len for s in seqs], i32, dev),
             query_lens_host=[s.num_new_tokens for s in seqs],
             seq_lens_host=[s.seq_len for s in seqs],
             enc_lens_host=[s.encoder_len for s in seqs],
-            last_token_indices=torch.tensor(last, dtype=torch.long, device=dev))
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+            last_token_indices=to_device(last, i64, dev))
+        input_ids = to_device(ids, i64, dev)
         if fill:
             dst, src = zip(*fill)
-            input_ids[list(dst)] = self._prev_tokens[list(src)]
-        positions = torch.tensor(pos, dtype=torch.long, device=dev)
+            input_ids[to_device(dst, i64, dev)] = self._prev_tokens[to_device(src, i64, dev)]
+        positions = to_device(pos, i64, dev)
         return input_ids, positions, meta

@@ -7,11 +7,18 @@ other requests share the batch.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
 
+from .host_to_device import to_device
 from .sampling_params import SamplingParams
+
+
+@functools.cache
+def _neg_inf(device: torch.device) -> torch.Tensor:
+    return torch.tensor(float("-inf"), device=device)
 
 
 @dataclass
@@ -137,9 +144,9 @@ class Sampler:
         # logits: [S, V] float32; num_output_tokens: tokens each row has produced so far
         rows, cols = _mask_indices(states, num_output_tokens)
         if rows:
-            logits = logits.index_put((torch.tensor(rows, device=logits.device),
-                                       torch.tensor(cols, device=logits.device)),
-                                      torch.tensor(float("-inf"), device=logits.device))
+            dev = logits.device
+            logits = logits.index_put((to_device(rows, torch.long, dev), to_device(cols, torch.long, dev)),
+                                      _neg_inf(dev))
         processed = [r for r, st in enumerate(states) if st.params.logits_processors]
         if processed:
             logits = _apply_logits_processors(logits, states, num_output_tokens, processed, owned=bool(rows))
@@ -165,14 +172,14 @@ class Sampler:
     def _sample(logits: torch.Tensor, states: list[SeqSamplingState]) -> torch.Tensor:
         # logits: [R, V]
         dev = logits.device
-        temp = torch.tensor([st.params.temperature if st.params.temperature is not None else 1.0
-                             for st in states], device=dev, dtype=logits.dtype)
+        temp = to_device([st.params.temperature if st.params.temperature is not None else 1.0
+                          for st in states], logits.dtype, dev)
         logits = logits / temp[:, None]
         k_host = [st.params.top_k or 0 for st in states]
         p_host = [st.params.top_p if st.params.top_p is not None else 1.0 for st in states]
         if any(k > 0 for k in k_host) or any(p < 1.0 for p in p_host):   # decided on the host: no sync
-            top_k = torch.tensor(k_host, device=dev)
-            top_p = torch.tensor(p_host, device=dev, dtype=logits.dtype)
+            top_k = to_device(k_host, torch.long, dev)
+            top_p = to_device(p_host, logits.dtype, dev)
             logits = _filter_top_k_top_p(logits, top_k, top_p)
         probs = logits.softmax(dim=-1)
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; one RNG stream per seeded row.

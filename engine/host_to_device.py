@@ -1,0 +1,19 @@
+"""Host data onto the GPU without stopping the host.
+
+``torch.tensor(data, device="cuda")`` copies from pageable memory, and CUDA makes such a copy
+wait until the stream's queued work is done: one call per step is enough to serialise the
+host with the GPU and silently undo the overlap scheduler (seen on an H200: 1.5 ms per call
+in a Whisper step, the GPU idle meanwhile). These helpers stage through pinned memory and copy
+asynchronously; PyTorch's pinned allocator keeps a staging block until its copy has run.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``data`` (list, NumPy array or CPU tensor) as a ``dtype`` tensor on ``device``."""
+    t = torch.as_tensor(data, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
