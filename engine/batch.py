@@ -36,6 +36,9 @@ class ScheduledSeq:
     encoder_len: int
     num_output_tokens: int        # output tokens before this step (min_tokens, begin-suppress)
     cumulative_logprob: float = 0.0   # the beam's running score (beam search adds it to its candidates)
+    # A beam's output ids so far, sent only when its request has logits processors: beams
+    # reorder every step, so the runner cannot keep their histories itself.
+    output_token_ids: list[int] | None = None
 
     @property
     def num_new_tokens(self) -> int:

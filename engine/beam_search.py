@@ -59,6 +59,7 @@ class BeamState:
     length_penalty: float = 1.0
     early_stopping: bool | str = False
     keep_logprobs: bool = False  # record each token's log-probability (SamplingParams.logprobs set)
+    needs_token_ids: bool = False   # logits processors read each beam's output ids
     finished: list[Hypothesis] = field(default_factory=list)   # best first, at most ``width``
     # transformers' is_early_stop_heuristic_unsatisfied: once False, nothing can improve.
     can_improve: bool = True

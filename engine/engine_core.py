@@ -70,8 +70,7 @@ def _check_beam_search(params: SamplingParams, max_beam_width: int) -> None:
                          f"capacity reserved at start-up; lower best_of or start LLM(max_beam_width={width})")
     unsupported = [name for name, on in (
         ("temperature > 0", bool(params.temperature)), ("top_k", bool(params.top_k)),
-        ("top_p < 1", params.top_p not in (None, 1.0)), ("stop strings", bool(params.stop)),
-        ("logits_processors", bool(params.logits_processors))) if on]
+        ("top_p < 1", params.top_p not in (None, 1.0)), ("stop strings", bool(params.stop))) if on]
     if unsupported:
         raise ValueError(f"use_beam_search=True does not support {', '.join(unsupported)}: beam search is "
                          "deterministic and ranks whole hypotheses; drop these options or decode without beams")
@@ -160,7 +159,8 @@ class EngineCore:
                       min_tokens=params.min_tokens)
         if params.use_beam_search:
             req.beam = BeamState(params.beam_width, params.n, params.length_penalty, params.early_stopping,
-                                 keep_logprobs=params.logprobs is not None)
+                                 keep_logprobs=params.logprobs is not None,
+                                 needs_token_ids=bool(params.logits_processors))
         reason = self.scheduler.check_admissible(req)
         if reason:
             raise ValueError(f"request cannot be scheduled with this engine's limits: {reason}")

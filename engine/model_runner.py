@@ -156,9 +156,10 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[meta.last_token_indices])    # [S, vocab]
         states = [self._sampling_state(s) for s in so.seqs]
         groups, beam_ids = _beam_groups(so.seqs, states)
+        beam_rows = [s for g in groups for s in so.seqs[g.start:g.start + g.num_rows]]
         sample = self.sampler.sample(logits, states, [s.num_output_tokens for s in so.seqs], groups,
-                                     [s.cumulative_logprob for g in groups
-                                      for s in so.seqs[g.start:g.start + g.num_rows]])
+                                     [s.cumulative_logprob for s in beam_rows],
+                                     [s.output_token_ids for s in beam_rows])
         self._prev_tokens = sample.token_ids                                       # [S] stays on device
         self._prev_rows = {s.seq_id: i for i, s in enumerate(so.seqs)}
         event = None

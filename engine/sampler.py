@@ -169,20 +169,24 @@ def _record_processor_history(chosen: torch.Tensor, states: list[SeqSamplingStat
 
 
 def _beam_candidates(logits: torch.Tensor, states: list[SeqSamplingState], num_output_tokens: list[int],
-                     groups: list[BeamGroup], beam_scores: list[float]) -> BeamCandidates:
+                     groups: list[BeamGroup], beam_scores: list[float],
+                     histories: list[list[int] | None]) -> BeamCandidates:
     """Top continuations of each group's beams by cumulative log-probability, on the device.
 
     As in transformers' beam search, the log-softmax is taken over the raw logits and the
-    filters (suppress lists, min_tokens) then set their tokens to -inf: masking does not
-    renormalize a beam's distribution."""
-    # logits: [S, V] (unfiltered); beam_scores: the running score of each row of the groups, in order
+    filters (suppress lists, min_tokens, then logits processors) edit the log-probabilities:
+    masking does not renormalize a beam's distribution."""
+    # logits: [S, V] (unfiltered); beam_scores / histories: per row of the groups, in order
     dev, vocab = logits.device, logits.shape[-1]
     rows = [g.start + j for g in groups for j in range(g.num_rows)]
-    logp = logits[rows].float().log_softmax(dim=-1)                           # [R, V]
+    logp = logits[rows].float().log_softmax(dim=-1)                           # [R, V], a fresh tensor
     m_rows, m_cols = _mask_indices([states[r] for r in rows], [num_output_tokens[r] for r in rows])
     if m_rows:
-        logp = logp.index_put((torch.tensor(m_rows, device=dev), torch.tensor(m_cols, device=dev)),
-                              torch.tensor(float("-inf"), device=dev))
+        logp.index_put_((torch.tensor(m_rows, device=dev), torch.tensor(m_cols, device=dev)),
+                        torch.tensor(float("-inf"), device=dev))
+    for i, r in enumerate(rows):
+        for fn in states[r].params.logits_processors or ():
+            fn(histories[i] if histories[i] is not None else [-1] * num_output_tokens[r], logp[i])
     scores = logp + torch.tensor(beam_scores, device=dev, dtype=torch.float32)[:, None]   # [R, V]
     width = max(g.num_rows for g in groups)
     keep = max(g.num_keep for g in groups)
@@ -198,12 +202,16 @@ def _beam_candidates(logits: torch.Tensor, states: list[SeqSamplingState], num_o
 
 class Sampler:
     def sample(self, logits: torch.Tensor, states: list[SeqSamplingState], num_output_tokens: list[int],
-               beam_groups: list[BeamGroup] = (), beam_scores: list[float] = ()) -> DeviceSample:
+               beam_groups: list[BeamGroup] = (), beam_scores: list[float] = (),
+               beam_histories: list[list[int] | None] = ()) -> DeviceSample:
         """Choose one token per row without waiting for the device; for ``beam_groups`` (rows of
         beam-search requests, whose chosen token is meaningless) propose candidates instead."""
         # logits: [S, V] float32; num_output_tokens: tokens each row has produced so far
-        beams = _beam_candidates(logits, states, num_output_tokens, list(beam_groups), list(beam_scores)) \
-            if beam_groups else None
+        beams = None
+        if beam_groups:
+            histories = list(beam_histories) or [None] * len(beam_scores)
+            beams = _beam_candidates(logits, states, num_output_tokens, list(beam_groups), list(beam_scores),
+                                     histories)
         sample = self._choose(logits, states, num_output_tokens)
         sample.beams = beams
         return sample
@@ -215,7 +223,9 @@ class Sampler:
             logits = logits.index_put((torch.tensor(rows, device=logits.device),
                                        torch.tensor(cols, device=logits.device)),
                                       torch.tensor(float("-inf"), device=logits.device))
-        processed = [r for r, st in enumerate(states) if st.params.logits_processors]
+        # Beam rows run their processors in _beam_candidates, over each beam's own history.
+        processed = [r for r, st in enumerate(states) if st.params.logits_processors
+                     and not st.params.use_beam_search]
         if processed:
             logits = _apply_logits_processors(logits, states, num_output_tokens, processed, owned=bool(rows))
         greedy = [st.params.is_greedy or st.params.use_beam_search for st in states]   # beams: no RNG

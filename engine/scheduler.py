@@ -257,6 +257,8 @@ class Scheduler:
             budget.num_growth_blocks += self._num_growth_blocks(req, seq)
             if req.beam is not None:
                 out.seqs[-1].cumulative_logprob = seq.cumulative_logprob
+                if req.beam.needs_token_ids:
+                    out.seqs[-1].output_token_ids = seq.output_token_ids
         # Beams not forked yet: their rows (and a private last block each) are reserved now, so
         # expanding never overflows max_batch_size nor preempts at once.
         num_unexpanded = self._num_unexpanded_beams(req, _schedulable(req))

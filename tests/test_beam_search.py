@@ -167,3 +167,34 @@ def test_real_whisper_base_librivox_matches_transformers_beam_search(real_whispe
         assert got.finish_reason == "stop" and got.token_ids[-1] == hf.config.eos_token_id
         assert got.token_ids[:-1] == ref, row["audio"]
         assert got.text.strip() and got.cumulative_logprob < 0
+
+
+class _NoImmediateRepeat:
+    """Bans the previous output token (reads the ids: each beam needs its own history)."""
+
+    def __call__(self, output_ids, row):
+        if output_ids:
+            row[output_ids[-1]] = float("-inf")
+
+
+def test_logits_processors_see_each_beams_own_history(t5_relu):
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class HFNoImmediateRepeat(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            if input_ids.shape[1] > 1:                  # past the decoder start token
+                scores = scores.scatter(1, input_ids[:, -1:], float("-inf"))
+            return scores
+
+    tok = AutoTokenizer.from_pretrained(t5_relu)
+    hf = AutoModelForSeq2SeqLM.from_pretrained(t5_relu, dtype=torch.float32).eval()
+    params = SamplingParams(max_tokens=MAX_TOKENS, use_beam_search=True, best_of=K, n=K,
+                            logits_processors=[_NoImmediateRepeat()])
+    with _llm(t5_relu) as llm:
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs):
+        ref = hf.generate(**tok(prompt, return_tensors="pt"), do_sample=False, num_beams=K, num_return_sequences=K,
+                          max_new_tokens=MAX_TOKENS, logits_processor=LogitsProcessorList([HFNoImmediateRepeat()]),
+                          return_dict_in_generate=True, output_scores=True)
+        _assert_same(out.outputs, ref, 1.0, tok.pad_token_id)
+        assert all(a != b for o in out.outputs for a, b in zip(o.token_ids, o.token_ids[1:]))
