@@ -3,26 +3,27 @@
 # output tokens, concurrency 8. Three rows: enc2dec greedy, enc2dec beam width 4, and
 # transformers generate(num_beams=4) (hf-compile, else plain hf when the compiled
 # static-cache beam search fails). JSON reports land under $OUT; a small table is printed last.
-#     OUT=./gpu-out bench/beam_gpu.sh
+# About 4 minutes at most (gpu_check.sh's "beam" section runs it with a 240 s limit).
+#     OUT=./gpu-out bench/beam_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OUT=$(realpath -m "${OUT:-./gpu-out}"); mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-git rev-parse --short HEAD 2>/dev/null | tee "$OUT/commit.txt"
-python -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || tail -3 "$OUT/install.log"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/machine.txt"
+python -c "import enc2dec.cli.main" 2>/dev/null ||
+  python -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || tail -3 "$OUT/install.log"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/beam-machine.txt"
 B="python -m enc2dec.cli.main bench"
 W="--model google/flan-t5-large --load-format dummy --dtype bfloat16 --input-len 128 --output-len 128
-   --concurrency 8 --num-requests 32 --warmup 2 --quiet"
+   --concurrency 8 --num-requests 16 --warmup 1 --quiet"
 run() {  # run NAME LIMIT ARGS...
   local name=$1 limit=$2; shift 2
   echo "enc2dec bench $* --report-json $OUT/$name.json" >>"$OUT/commands.txt"
   timeout "$limit" $B "$@" --report-json "$OUT/$name.json" >"$OUT/$name.log" 2>&1; echo "$name: exit $?"
 }
-run beam-greedy 120 $W
-run beam-w4 180 $W --beam-width 4 --baseline hf-compile || true
+run beam-greedy 50 $W
+run beam-w4 125 $W --beam-width 4 --baseline hf-compile
 if ! python -c "import json,sys; d=json.load(open('$OUT/beam-w4.json')); sys.exit(0 if any(l['backend']=='hf-compile' and l['completed'] for l in d['levels']) else 1)" 2>/dev/null; then
-  run beam-w4-hf 240 $W --beam-width 4 --baseline hf
+  run beam-w4-hf 60 $W --beam-width 4 --baseline hf
 fi
 python - "$OUT" <<'PY'
 import json, os, sys
