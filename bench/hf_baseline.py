@@ -61,7 +61,7 @@ def resolve_device_dtype(device: str, dtype: str, hf_config):
 
 
 class HfBaseline:
-    def __init__(self, kind: str, model: str, load_format: str, device, dtype):
+    def __init__(self, kind: str, model: str, load_format: str, device, dtype, num_beams: int = 1):
         if kind not in BASELINES:
             raise BenchInputError(f"--baseline {kind!r} is not valid; valid: {', '.join(BASELINES)}")
         import torch
@@ -90,7 +90,8 @@ class HfBaseline:
                 self.model = auto.from_config(src.hf_config, dtype=dtype)
         self.model.eval()
         gen = src.generation_config
-        gen.do_sample, gen.num_beams = False, 1
+        gen.do_sample, gen.num_beams = False, num_beams     # the engine's --beam-width (1: greedy)
+        gen.length_penalty, gen.early_stopping = 1.0, False   # the engine's defaults
         gen.temperature = gen.top_p = gen.top_k = None
         if kind == "hf-compile":
             from transformers import CompileConfig
@@ -138,7 +139,8 @@ class HfBaseline:
         inputs = self._inputs(batch)
         in_lens = inputs.pop("_lens", [0] * len(batch))
         n_new = max(r.output_len for r in batch)
-        streamer = _TimingStreamer()
+        # transformers cannot stream beam search: beams then get no per-token times (no TTFT/TPOT).
+        streamer = _TimingStreamer() if self.generation_config.num_beams == 1 else None
         try:
             with torch.inference_mode():
                 self.model.generate(**inputs, generation_config=self.generation_config, max_new_tokens=n_new,
@@ -150,11 +152,12 @@ class HfBaseline:
             error = f"out of GPU memory: {str(e).splitlines()[0]}"
             torch.cuda.empty_cache()
         end = time.monotonic()
-        produced = len(streamer.times_s)
+        times_s = streamer.times_s if streamer is not None else []
+        produced = len(times_s) if streamer is not None else (0 if error else n_new)
         records = []
         for r, n_in in zip(batch, in_lens):
             n_out = min(r.output_len, produced)
-            records.append(RequestRecord(start_s=start, end_s=end, token_times_s=streamer.times_s[:n_out],
+            records.append(RequestRecord(start_s=start, end_s=end, token_times_s=times_s[:n_out],
                                          input_len=n_in, output_len=n_out, audio_s=r.audio_s, error=error))
         return records
 

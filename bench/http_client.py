@@ -38,10 +38,11 @@ class HttpTarget:
     tokenizer = None
 
     def __init__(self, url: str, model: str | None, concurrency: int, streaming: bool = False,
-                 timeout_s: float = 600.0):
+                 timeout_s: float = 600.0, beam_width: int = 1):
         self.url = normalize_url(url)
         self.model = model
         self.streaming = streaming
+        self.beam_width = beam_width
         httpx = _httpx()
         self._httpx = httpx
         limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
@@ -83,6 +84,8 @@ class HttpTarget:
         body = {"model": self.model or "", "prompt": req.prompt, "max_tokens": req.output_len,
                 "min_tokens": req.output_len, "ignore_eos": True, "temperature": 0.0, "stream": True,
                 "stream_options": {"include_usage": True}}
+        if self.beam_width > 1:
+            body.update(use_beam_search=True, best_of=self.beam_width, n=1)
         async with self.client.stream("POST", "/v1/completions", json=body) as resp:
             if resp.status_code != 200:
                 rec.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:300]}"

@@ -36,6 +36,7 @@ class BenchOptions:
     audio_manifest: str | None = None
     audio_seconds: float | None = None
     streaming: bool = False
+    beam_width: int = 1                     # > 1: beam search (best_of=K, n=1); baselines num_beams=K
     baselines: tuple[str, ...] = ()
     url: str | None = None
     thresholds: tuple[Threshold, ...] = ()
@@ -56,6 +57,11 @@ class BenchOptions:
             raise BenchInputError(f"--duration must be > 0 seconds, got {self.duration_s}")
         if self.warmup < 0:
             raise BenchInputError(f"--warmup must be >= 0, got {self.warmup}")
+        if self.beam_width < 1:
+            raise BenchInputError(f"--beam-width must be >= 1 (1: greedy), got {self.beam_width}")
+        if self.beam_width > 1 and self.url and self.is_audio_requested:
+            raise BenchInputError("--beam-width with --url benches text completions only: the server's "
+                                  "/v1/audio/transcriptions has no beam fields")
         sources = [name for name, v in (("--dataset", self.dataset), ("--hf-dataset", self.hf_dataset),
                                         ("--audio-dir", self.audio_dir), ("--audio-manifest", self.audio_manifest))
                    if v]

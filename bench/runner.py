@@ -84,9 +84,10 @@ def _cuda_device(llm):
 class EngineTarget:
     name = "enc2dec"
 
-    def __init__(self, llm, streaming: bool = False):
+    def __init__(self, llm, streaming: bool = False, beam_width: int = 1):
         self.llm = llm
         self.streaming = streaming
+        self.beam_width = beam_width
         self._kv: KvTracker | None = None
         self._poller: asyncio.Task | None = None
 
@@ -120,7 +121,8 @@ class EngineTarget:
     async def send(self, req: BenchRequest) -> RequestRecord:
         from enc2dec.engine import SamplingParams
 
-        params = SamplingParams(max_tokens=req.output_len, ignore_eos=True, temperature=0.0)
+        params = SamplingParams(max_tokens=req.output_len, ignore_eos=True, temperature=0.0,
+                                use_beam_search=self.beam_width > 1, best_of=self.beam_width, n=1)
         rec = RequestRecord(start_s=time.monotonic(), input_len=req.input_len, audio_s=req.audio_s)
         try:
             handle = self.llm.generate_async(req.prompt, params, streaming=self.streaming)

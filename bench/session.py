@@ -142,6 +142,10 @@ class _Run:
         opts, meta = self.opts, self.meta
         overrides = dict(opts.engine_overrides, load_format=opts.load_format, dtype=opts.dtype, device=opts.device)
         args = build_llm_args(opts.model, opts.config, **overrides)
+        if opts.beam_width > 1:
+            # Reserve the beams, and a decoder row for each beam of every request in flight.
+            args = dataclasses.replace(args, max_beam_width=max(args.max_beam_width, opts.beam_width),
+                                       max_batch_size=max(args.max_batch_size, max(opts.concurrency) * opts.beam_width))
         llm = start_llm(args)
         try:
             core = getattr(llm, "engine", None)
@@ -158,7 +162,7 @@ class _Run:
             meta.update(device=_device_info(device, None), dtype=str(dtype).replace("torch.", ""),
                         load_format=args.load_format,
                         engine_args={k: v for k, v in dataclasses.asdict(args).items() if k != "tokenizer"})
-            target = EngineTarget(llm, opts.streaming)
+            target = EngineTarget(llm, opts.streaming, opts.beam_width)
             asyncio.run(_bench_target(target, reqs, opts, self.progress, self.add))
         finally:
             llm.shutdown()
@@ -172,7 +176,8 @@ class _Run:
         meta.update(device=_device_info(None, opts.url), dtype=opts.dtype)
 
         async def main():
-            target = HttpTarget(opts.url, opts.model, max(opts.concurrency), opts.streaming)
+            target = HttpTarget(opts.url, opts.model, max(opts.concurrency), opts.streaming,
+                                beam_width=opts.beam_width)
             try:
                 await target.connect()
                 meta["model"] = target.model
@@ -196,7 +201,7 @@ class _Run:
             device, dtype = resolve_device_dtype(opts.device or "auto", opts.dtype or "auto", cfg)
         self.meta.update(baseline_device=str(device), baseline_dtype=str(dtype).replace("torch.", ""))
         for kind in opts.baselines:
-            base = HfBaseline(kind, opts.model, opts.load_format or "auto", device, dtype)
+            base = HfBaseline(kind, opts.model, opts.load_format or "auto", device, dtype, opts.beam_width)
             try:
                 for c in opts.concurrency:
                     n = opts.level_num_requests(c)

@@ -120,6 +120,8 @@ def bench(
                                             "to it.")] = None,
     audio_seconds: Annotated[OptFloat, _work("Synthetic clips of this length (Whisper; default 30).")] = None,
     streaming: Annotated[bool, _work("Stream outputs and time tokens as the client receives them.")] = False,
+    beam_width: Annotated[int, _work("Beam search with K beams per request (best_of=K, n=1; each beam is a "
+                                     "decoder row); baselines run num_beams=K. 1: greedy.")] = 1,
     baseline: Annotated[Optional[list[str]], _out("hf and/or hf-compile (repeat or comma-separate): "
                                                   "transformers generate on the same requests.")] = None,
     report_json: Annotated[OptStr, _out("Write the JSON report here (rewritten after every level).")] = None,
@@ -160,7 +162,8 @@ def _options(o: dict):
         duration_s=o["duration"], warmup=o["warmup"], input_len=o["input_len"], output_len=o["output_len"],
         input_dist=o["input_dist"], output_dist=o["output_dist"], seed=o["seed"], dataset=o["dataset"],
         hf_dataset=hf, audio_dir=o["audio_dir"], audio_manifest=o["audio_manifest"],
-        audio_seconds=o["audio_seconds"], streaming=o["streaming"], baselines=baselines, url=o["url"],
+        audio_seconds=o["audio_seconds"], streaming=o["streaming"], beam_width=o["beam_width"],
+        baselines=baselines, url=o["url"],
         thresholds=tuple(parse_threshold(t) for t in o["fail_under"] or []),
         command=command_line(o["ctx"], "bench"))
     opts.validate()

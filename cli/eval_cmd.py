@@ -76,7 +76,8 @@ def eval_command(
     max_tokens: Annotated[OptInt, _engine("Most output tokens per row (default 128 text, 224 Whisper).")] = None,
     batch_size: Annotated[OptInt, _engine("transformers' batch size and the engine's max_batch_size "
                                           "(default 16; the engine's from --config when set there).")] = None,
-    num_beams: Annotated[int, _engine("1 only: beam search is not available in the engine yet.")] = 1,
+    num_beams: Annotated[int, _engine("Beam width on both sides (1: greedy); the engine returns the best "
+                                      "hypothesis, transformers runs generate(num_beams=N).")] = 1,
     reference: Annotated[str, _out("hf: also run transformers generate and compare; none: skip it.")] = "hf",
     warmup: Annotated[int, _out("Untimed warm-up rows on each side before the timed runs.")] = 1,
     min_parity: Annotated[OptFloat, _out("Exit 1 below this exact-match rate of token ids (0-1).")] = None,

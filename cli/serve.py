@@ -51,6 +51,9 @@ def serve(
     tokenizer: Annotated[OptStr, _opt("Tokenizer folder or id, if not the model's.", E)] = None,
     max_batch_size: Annotated[OptInt, _opt("Most decoder sequences running at once.", E)] = None,
     tp_size: Annotated[OptInt, _opt("Tensor-parallel GPUs.", E, "--tp-size", "--tp_size")] = None,
+    max_beam_width: Annotated[OptInt, _opt("Widest beam search a request may ask for (best_of with "
+                                           "use_beam_search); each beam is a decoder sequence.", E,
+                                           "--max-beam-width", "--max_beam_width")] = None,
     host: Annotated[str, _opt("Address to listen on (0.0.0.0 for every interface).", S)] = "127.0.0.1",
     port: Annotated[int, _opt("Port (0 picks a free one; the log names it).", S)] = 8000,
     api_key: Annotated[OptStr, _opt("Require 'Authorization: Bearer KEY' on every endpoint but /health.", S,
@@ -87,7 +90,7 @@ def serve(
                           drain_timeout_s=drain_timeout, log_level=log_level)
         llm_args = build_llm_args(model, config, load_format=load_format, dtype=dtype, device=device,
                                   tokenizer=tokenizer, max_batch_size=max_batch_size,
-                                  tensor_parallel_size=tp_size)
+                                  tensor_parallel_size=tp_size, max_beam_width=max_beam_width)
     except (ValueError, TypeError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None

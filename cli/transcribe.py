@@ -71,7 +71,8 @@ def transcribe(
                                   "sequential (seek by predicted timestamps: most accurate).", D)] = "chunked",
     timestamps: Annotated[bool, _opt("Segment start and end times in the txt output (srt, vtt, tsv and json "
                                      "always carry them).", D)] = False,
-    beam_size: Annotated[int, _opt("Beam width; only 1 (greedy) is available yet.", D)] = 1,
+    beam_size: Annotated[int, _opt("Beam width: 1 decodes greedily, K > 1 keeps K beams per window (the "
+                                   "best hypothesis wins; slower).", D)] = 1,
     batch_size: Annotated[int, _opt("30 s windows decoding at once, across all files.", D)] = 32,
     output_format: Annotated[str, _opt("txt, srt, vtt, json, tsv, a comma list of them, or all (all and lists "
                                        "need --output-dir).", O, "--output-format", "-f")] = "txt",
@@ -108,9 +109,8 @@ def _check_options(o: dict) -> tuple[list[str], list[str]]:
     from enc2dec.engine.audio import expand_inputs
     from enc2dec.engine.transcribe import STRATEGIES, TASKS
 
-    if o["beam_size"] != 1:
-        raise _UsageError(f"--beam-size {o['beam_size']}: beam search is not available yet in this engine; "
-                          "use --beam-size 1 (greedy, the default)")
+    if o["beam_size"] < 1:
+        raise _UsageError(f"--beam-size must be >= 1, got {o['beam_size']}")
     if o["strategy"] not in STRATEGIES:
         raise _UsageError(f"--strategy {o['strategy']!r} is not valid; valid: {', '.join(STRATEGIES)}")
     if o["task"] not in TASKS:
@@ -135,6 +135,8 @@ def _llm_args(o: dict):
         if args.kv_cache_config.cross_kv_cache_fraction is None:
             kv = dataclasses.replace(args.kv_cache_config, cross_kv_cache_fraction=DEFAULT_CROSS_KV_FRACTION)
             args = dataclasses.replace(args, kv_cache_config=kv)
+        if args.max_beam_width < o["beam_size"]:      # reserve the beams --beam-size asks for
+            args = dataclasses.replace(args, max_beam_width=o["beam_size"])
     except (ValueError, TypeError) as e:
         raise _UsageError(f"engine config: {e}") from None
     if args.tokenizer is None:
@@ -174,7 +176,8 @@ def _run(o: dict) -> int:
                 t1 = time.perf_counter()
                 results = run_transcribe(llm, files, language=o["language"], task=o["task"],
                                          strategy=o["strategy"], timestamps=o["timestamps"] or timed,
-                                         batch_size=o["batch_size"], progress=progress)
+                                         batch_size=o["batch_size"], progress=progress,
+                                         beam_size=o["beam_size"])
                 wall_s = time.perf_counter() - t1
             except ValueError as e:         # options the checkpoint cannot honour, a non-Whisper model
                 raise _UsageError(str(e)) from None

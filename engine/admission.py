@@ -50,13 +50,14 @@ def admission_error(req: Request, limits: SchedulerLimits, num_self_blocks: int,
     seqs = req.live_seqs
     if not seqs:
         return "the request has no unfinished decoder sequence"
+    seqs = seqs + [seqs[0]] * (req.beam_width - len(seqs))   # beams all fork from the first
     num_prefix_outputs = max(s.num_output_tokens for s in seqs)
     if num_prefix_outputs >= req.max_output_tokens:
         return (f"max_tokens={req.max_output_tokens} leaves nothing to generate after "
                 f"{num_prefix_outputs} prefix token(s) that count as output (a forced BOS "
                 f"counts); raise max_tokens")
     if len(seqs) > limits.max_batch_size:
-        return (f"{len(seqs)} decoder sequences (n, best_of or beams) exceed "
+        return (f"{len(seqs)} decoder sequences (n, or best_of beams) exceed "
                 f"max_batch_size={limits.max_batch_size}")
     if req.encoder_len > limits.encoder_max_num_tokens:
         return (f"encoder input of {req.encoder_len} positions exceeds encoder_max_num_tokens="

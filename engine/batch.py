@@ -35,6 +35,10 @@ class ScheduledSeq:
     cross_block_ids: list[int]
     encoder_len: int
     num_output_tokens: int        # output tokens before this step (min_tokens, begin-suppress)
+    cumulative_logprob: float = 0.0   # the beam's running score (beam search adds it to its candidates)
+    # A beam's output ids so far, sent only when its request has logits processors: beams
+    # reorder every step, so the runner cannot keep their histories itself.
+    output_token_ids: list[int] | None = None
 
     @property
     def num_new_tokens(self) -> int:
@@ -53,6 +57,9 @@ class SchedulerOutput:
     # Requests whose runner-side state (generators, params) can be dropped.
     finished_request_ids: list[str] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
+    # Self-pool (src, dst) block copies to run before this step's attention: a beam about to
+    # write into a partly filled block it shares with its siblings gets its own copy first.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -74,6 +81,18 @@ class SampledToken:
     top_logprobs: dict[int, float] | None = None
 
 
+@dataclass(frozen=True)
+class BeamCandidate:
+    """A continuation of a running beam, proposed by the sampler for beam search."""
+
+    parent_seq_id: int
+    token_id: int
+    cumulative_logprob: float     # the parent's plus this token's log-probability
+    logprob: float                # this token's log-probability
+
+
 @dataclass
 class ModelRunnerOutput:
     sampled: dict[int, SampledToken] = field(default_factory=dict)   # seq_id -> token
+    # Beam-search requests: request_id -> candidates over all its beams, best first.
+    beams: dict[str, list[BeamCandidate]] = field(default_factory=dict)

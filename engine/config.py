@@ -226,6 +226,9 @@ class LlmArgs:
         if self.enable_chunked_prefill:
             raise ValueError("enable_chunked_prefill must be False: the encoder phase cannot be chunked; "
                              "raise max_num_tokens / encoder_max_num_tokens instead")
+        if self.max_beam_width > self.max_batch_size:
+            raise ValueError(f"max_beam_width ({self.max_beam_width}) must not exceed max_batch_size "
+                             f"({self.max_batch_size}): every beam is a decoder sequence")
         if self.kv_cache_config.use_kv_cache_manager_v2 and self.max_beam_width > 1:
             raise ValueError("kv_cache_config.use_kv_cache_manager_v2=True requires max_beam_width=1")
         if self.encoder_max_batch_size is not None and self.encoder_max_batch_size > self.max_batch_size:

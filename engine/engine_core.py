@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .batch import SchedulerOutput
+from .beam_search import BeamState, Hypothesis
 from .config import LlmArgs
 from .detokenizer import IncrementalDetokenizer
 from .input_processor import InputProcessor, ProcessedInput
@@ -60,6 +61,19 @@ def _resolve_attn_backend(name: str, device: torch.device) -> str:
     from enc2dec.kernels import triton_available
 
     return "triton" if triton_available() else "torch"
+
+
+def _check_beam_search(params: SamplingParams, max_beam_width: int) -> None:
+    width = params.beam_width
+    if width > max_beam_width:
+        raise ValueError(f"best_of={width} (the beam width) exceeds max_beam_width={max_beam_width}, the "
+                         f"capacity reserved at start-up; lower best_of or start LLM(max_beam_width={width})")
+    unsupported = [name for name, on in (
+        ("temperature > 0", bool(params.temperature)), ("top_k", bool(params.top_k)),
+        ("top_p < 1", params.top_p not in (None, 1.0)), ("stop strings", bool(params.stop))) if on]
+    if unsupported:
+        raise ValueError(f"use_beam_search=True does not support {', '.join(unsupported)}: beam search is "
+                         "deterministic and ranks whole hypotheses; drop these options or decode without beams")
 
 
 @dataclass
@@ -128,22 +142,25 @@ class EngineCore:
     def make_request(self, prompt, params: SamplingParams | None, streaming: bool = False,
                      request_id: str | None = None) -> _Tracked:
         params = params or SamplingParams()
-        if params.use_beam_search and self.args.max_beam_width == 1:
-            raise ValueError("use_beam_search=True needs LLM(max_beam_width=K) with K > 1 "
-                             "(the beam width is a capacity reserved at start-up)")
         if params.use_beam_search:
-            raise ValueError("beam search is not available yet in this engine; use greedy or sampling")
+            _check_beam_search(params, self.args.max_beam_width)
         proc: ProcessedInput = self.processor.process(prompt, params.max_tokens)
         eos = (params.end_id,) if params.end_id is not None else self.processor.eos_token_ids
         spec = SeqSamplingState(params, tuple(eos), tuple(params.stop_token_ids or ()),
                                 self.processor.suppress_token_ids, self.processor.begin_suppress_token_ids)
+        # Beam search starts from one sequence and forks it; n then counts returned hypotheses.
+        num_seqs = 1 if params.use_beam_search else params.n
         seqs = [Sequence(token_ids=list(proc.decoder_prefix), num_hidden_tokens=proc.num_hidden_tokens, index=i)
-                for i in range(params.n)]
+                for i in range(num_seqs)]
         req = Request(request_id=request_id or f"req-{next(self._ids)}", encoder_len=proc.encoder_len,
                       encoder_input=proc.encoder_input, seqs=seqs, max_output_tokens=proc.max_output_tokens,
                       sampling_params=spec, eos_token_ids=frozenset(eos),
                       stop_token_ids=frozenset(params.stop_token_ids or ()), ignore_eos=params.ignore_eos,
                       min_tokens=params.min_tokens)
+        if params.use_beam_search:
+            req.beam = BeamState(params.beam_width, params.n, params.length_penalty, params.early_stopping,
+                                 keep_logprobs=params.logprobs is not None,
+                                 needs_token_ids=bool(params.logits_processors))
         reason = self.scheduler.check_admissible(req)
         if reason:
             raise ValueError(f"request cannot be scheduled with this engine's limits: {reason}")
@@ -197,7 +214,10 @@ class EngineCore:
         return self._finish_step(so, pending, self.scheduler.resolve)
 
     def _needs_sync(self) -> bool:
-        return any(getattr(t.params, "logits_processors", None) for t in self._live.values())
+        # Host-side logits processors need real tokens; beam search needs the surviving beams
+        # (and their block copies) before it can schedule their next step.
+        return any(getattr(t.params, "logits_processors", None) or t.params.use_beam_search
+                   for t in self._live.values())
 
     def _finish_step(self, so: SchedulerOutput, pending, apply) -> list[RequestOutput]:
         try:
@@ -235,7 +255,7 @@ class EngineCore:
                 tracked.metrics.finished_time = now
                 tracked.metrics.num_preemptions = tracked.request.num_preemptions
                 outputs.append(self._output(tracked, finished=True))
-            elif tracked.streaming:
+            elif tracked.streaming and tracked.request.beam is None:   # beams reorder: final output only
                 outputs.append(self._output(tracked, finished=False))
         return outputs
 
@@ -244,6 +264,8 @@ class EngineCore:
         return [out for rid in rids if (out := self.abort(rid, message)) is not None]
 
     def _output(self, tracked: _Tracked, finished: bool) -> RequestOutput:
+        if tracked.request.beam is not None:
+            return self._beam_output(tracked)
         outs = []
         for seq, detok in zip(tracked.request.seqs, tracked.detoks):
             ids = seq.resolved_output_token_ids
@@ -258,6 +280,21 @@ class EngineCore:
                 logprobs=list(seq.logprobs) if seq.logprobs is not None else None))
         return RequestOutput(tracked.request.request_id, tracked.prompt, tracked.prompt_token_ids, outs,
                              finished, tracked.metrics, tracked.error)
+
+    def _beam_output(self, tracked: _Tracked) -> RequestOutput:
+        """The n best hypotheses, best first (an aborted search returns its running beams too)."""
+        req, params = tracked.request, tracked.params
+        hyps: list[Hypothesis] = req.beam.results(req.seqs, RequestStatus.FINISHED_ABORTED)
+        tok = self.tokenizer if params.detokenize else None
+        outs = []
+        for i, h in enumerate(hyps):
+            detok = IncrementalDetokenizer(tok, params.skip_special_tokens)
+            detok.finish(h.token_ids)
+            outs.append(CompletionOutput(index=i, text=detok.text, token_ids=list(h.token_ids),
+                                         finish_reason=h.status.finish_reason, stop_reason=h.stop_reason,
+                                         cumulative_logprob=h.cumulative_logprob, logprobs=h.logprobs))
+        return RequestOutput(req.request_id, tracked.prompt, tracked.prompt_token_ids, outs, True,
+                             tracked.metrics, tracked.error)
 
     def shutdown(self) -> None:
         for rid in list(self._live):

@@ -12,13 +12,13 @@ from dataclasses import dataclass
 import torch
 
 from .attention import DecoderMetadata, EncoderMetadata, KVCache, get_attention_backend
-from .batch import ModelRunnerOutput, SampledToken, ScheduledEncode, ScheduledSeq, SchedulerOutput
+from .batch import BeamCandidate, ModelRunnerOutput, SampledToken, ScheduledEncode, ScheduledSeq, SchedulerOutput
 from .fast_linear import skinny_linear_enabled, use_skinny_linear
 from .host_to_device import to_device
 from .kv_sizing import kv_bytes_per_token, plan_kv_pools
 from .loader import load_model
 from .request import PLACEHOLDER_TOKEN_ID
-from .sampler import DeviceSample, Sampler, SeqSamplingState
+from .sampler import BeamGroup, DeviceSample, Sampler, SeqSamplingState
 
 logger = logging.getLogger("enc2dec")
 
@@ -30,6 +30,7 @@ class PendingStep:
     seq_ids: list[int]
     sample: DeviceSample | None
     event: "torch.cuda.Event | None" = None
+    beam_groups: list[tuple[str, list[int]]] = dataclasses.field(default_factory=list)   # (request, its rows' seq ids)
 
     def wait(self) -> ModelRunnerOutput:
         if self.sample is None:
@@ -37,15 +38,35 @@ class PendingStep:
         if self.event is not None:
             self.event.synchronize()
         out = self.sample.output()
+        beams = {rid: [BeamCandidate(seq_ids[parent], token, score, logprob)
+                       for parent, token, score, logprob in cands]
+                 for (rid, seq_ids), cands in zip(self.beam_groups, out.beams or [])}
         return ModelRunnerOutput({
             seq_id: SampledToken(out.token_ids[i], out.logprobs[i] if out.logprobs is not None else 0.0,
                                  out.top_logprobs[i] if out.top_logprobs is not None else None)
-            for i, seq_id in enumerate(self.seq_ids)})
+            for i, seq_id in enumerate(self.seq_ids)}, beams)
 
 
 def _slots(block_ids: list[int], start: int, count: int, tokens_per_block: int) -> list[int]:
     return [block_ids[p // tokens_per_block] * tokens_per_block + p % tokens_per_block
             for p in range(start, start + count)]
+
+
+def _beam_groups(seqs: list[ScheduledSeq], states: list[SeqSamplingState]):
+    """Consecutive rows of each beam-search request (the scheduler emits a request's beams together)."""
+    groups: list[BeamGroup] = []
+    ids: list[tuple[str, list[int]]] = []
+    for i, (s, st) in enumerate(zip(seqs, states)):
+        if not st.params.use_beam_search:
+            continue
+        if ids and ids[-1][0] == s.request_id and groups[-1].start + groups[-1].num_rows == i:
+            groups[-1] = dataclasses.replace(groups[-1], num_rows=groups[-1].num_rows + 1)
+            ids[-1][1].append(s.seq_id)
+            continue
+        num_stop_ids = len(set(st.eos_token_ids) | set(st.stop_token_ids))
+        groups.append(BeamGroup(i, 1, max(2, 1 + num_stop_ids) * st.params.beam_width))
+        ids.append((s.request_id, [s.seq_id]))
+    return groups, ids
 
 
 def _pad_table(tables: list[list[int]]) -> list[list[int]]:
@@ -123,6 +144,8 @@ class ModelRunner:
         which never leave the GPU for that purpose."""
         for rid in so.finished_request_ids:
             self.states.pop(rid, None)
+        if so.block_copies:
+            self._copy_blocks(so.block_copies)     # before any attention reads or writes them; never in a graph
         if so.encodes:
             self._register(so.encodes)
             self._run_encoder(so.encodes)
@@ -135,8 +158,12 @@ class ModelRunner:
             input_ids, positions, meta = self._prepare_decode(so.seqs, fill)
             hidden = self.model.decode(input_ids, positions, meta, self.kv)       # [N, d_model]
             logits = self.model.compute_logits(hidden[meta.last_token_indices])    # [S, vocab]
-        states = [self.states[s.request_id][s.seq_id] for s in so.seqs]
-        sample = self.sampler.sample(logits, states, [s.num_output_tokens for s in so.seqs])
+        states = [self._sampling_state(s) for s in so.seqs]
+        groups, beam_ids = _beam_groups(so.seqs, states)
+        beam_rows = [s for g in groups for s in so.seqs[g.start:g.start + g.num_rows]]
+        sample = self.sampler.sample(logits, states, [s.num_output_tokens for s in so.seqs], groups,
+                                     [s.cumulative_logprob for s in beam_rows],
+                                     [s.output_token_ids for s in beam_rows])
         self._prev_tokens = sample.token_ids                                       # [S] stays on device
         self._prev_rows = {s.seq_id: i for i, s in enumerate(so.seqs)}
         event = None
@@ -144,7 +171,19 @@ class ModelRunner:
             sample = sample.to_host(non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-        return PendingStep([s.seq_id for s in so.seqs], sample, event)
+        return PendingStep([s.seq_id for s in so.seqs], sample, event, beam_ids)
+
+    def _sampling_state(self, s: ScheduledSeq) -> SeqSamplingState:
+        per_seq = self.states[s.request_id]
+        # Beams forked since admission share their request's state (beam search keeps no RNG).
+        return per_seq.get(s.seq_id) or next(iter(per_seq.values()))
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        src = to_device([c[0] for c in copies], torch.long, self.device)
+        dst = to_device([c[1] for c in copies], torch.long, self.device)
+        for layer in self.kv.self_kv:
+            for cache in (layer.k, layer.v):                   # [num_blocks, tokens_per_block, heads, head_dim]
+                cache.index_copy_(0, dst, cache.index_select(0, src))
 
     def _placeholder_sources(self, seqs: list[ScheduledSeq]):
         """(flat token index, row of the previous step's samples) for every placeholder input."""

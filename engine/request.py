@@ -2,7 +2,8 @@
 
 Pure Python: nothing here imports torch. A request owns one encoder input (text tokens
 or audio features, opaque here) and one or more decoder sequences (``n`` parallel
-samples, later beams). All sequences of a request share its cross-attention blocks.
+samples, or the running beams of a beam search). All sequences of a request share its
+cross-attention blocks.
 """
 from __future__ import annotations
 
@@ -112,6 +113,14 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     arrival_time: float = field(default_factory=time.monotonic)
     num_preemptions: int = 0
+    # Beam search (a beam_search.BeamState): ``seqs`` are then the running beams, best first,
+    # starting from one; finished hypotheses live in the state, not in ``seqs``.
+    beam: Any = None
+
+    @property
+    def beam_width(self) -> int:
+        """Sequences the request may run at once once its beams expand (1 without beam search)."""
+        return self.beam.width if self.beam is not None else 1
 
     @property
     def is_finished(self) -> bool:

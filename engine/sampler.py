@@ -1,4 +1,5 @@
-"""Token selection for one decoder step: logit filters, greedy / random sampling, logprobs.
+"""Token selection for one decoder step: logit filters, greedy / random sampling, logprobs,
+and beam search candidates.
 
 Per-request state (seeded generators, suppress lists) lives in ``SeqSamplingState``; the
 sampler builds one batched set of tensors per step. Greedy rows never touch an RNG, and
@@ -42,6 +43,36 @@ class SamplerOutput:
     token_ids: list[int]
     logprobs: list[float] | None = None               # of the chosen token, per row
     top_logprobs: list[dict[int, float]] | None = None
+    # Per beam group: (parent row within the group, token id, cumulative logprob, token logprob), best first.
+    beams: list[list[tuple[int, int, float, float]]] | None = None
+
+
+@dataclass(frozen=True)
+class BeamGroup:
+    """The running beams of one beam-search request: rows ``start .. start + num_rows - 1``."""
+
+    start: int
+    num_rows: int
+    num_keep: int        # candidates to propose: transformers keeps max(2, 1 + #stop ids) * width
+
+
+@dataclass
+class BeamCandidates:
+    """Per group, the best ``num_keep`` continuations over its beams (padded to the widest group)."""
+
+    cumulative_logprobs: torch.Tensor   # [G, keep] float32, descending
+    parent_rows: torch.Tensor           # [G, keep] int64, row within the group
+    token_ids: torch.Tensor             # [G, keep] int64
+    logprobs: torch.Tensor              # [G, keep] float32, the token's own log-probability
+    num_keep: list[int]
+
+    def to(self, device, non_blocking: bool = False) -> "BeamCandidates":
+        return BeamCandidates(*(t.to(device, non_blocking=non_blocking) for t in (
+            self.cumulative_logprobs, self.parent_rows, self.token_ids, self.logprobs)), self.num_keep)
+
+    def output(self) -> list[list[tuple[int, int, float, float]]]:
+        cols = [t.tolist() for t in (self.parent_rows, self.token_ids, self.cumulative_logprobs, self.logprobs)]
+        return [list(zip(*(c[g][:keep] for c in cols))) for g, keep in enumerate(self.num_keep)]
 
 
 def _mask_indices(states: list[SeqSamplingState], num_output_tokens: list[int]):
@@ -80,14 +111,21 @@ class DeviceSample:
     chosen_logprobs: torch.Tensor | None = None  # [S]
     top_ids: torch.Tensor | None = None         # [S, k]
     top_vals: torch.Tensor | None = None
+    beams: BeamCandidates | None = None
 
     def to_host(self, non_blocking: bool = False) -> "DeviceSample":
         """Start the device-to-host copies (pinned, asynchronous when ``non_blocking``)."""
         move = (lambda t: None if t is None else t.to("cpu", non_blocking=non_blocking))
         return DeviceSample(move(self.token_ids), self.want, move(self.chosen_logprobs),
-                            move(self.top_ids), move(self.top_vals))
+                            move(self.top_ids), move(self.top_vals),
+                            self.beams and self.beams.to("cpu", non_blocking=non_blocking))
 
     def output(self) -> SamplerOutput:
+        out = self._tokens()
+        out.beams = self.beams.output() if self.beams is not None else None
+        return out
+
+    def _tokens(self) -> SamplerOutput:
         token_ids = self.token_ids.tolist()
         if self.chosen_logprobs is None:
             return SamplerOutput(token_ids)
@@ -137,20 +175,66 @@ def _record_processor_history(chosen: torch.Tensor, states: list[SeqSamplingStat
             states[r].processor_history.append(token_id)
 
 
+def _beam_candidates(logits: torch.Tensor, states: list[SeqSamplingState], num_output_tokens: list[int],
+                     groups: list[BeamGroup], beam_scores: list[float],
+                     histories: list[list[int] | None]) -> BeamCandidates:
+    """Top continuations of each group's beams by cumulative log-probability, on the device.
+
+    As in transformers' beam search, the log-softmax is taken over the raw logits and the
+    filters (suppress lists, min_tokens, then logits processors) edit the log-probabilities:
+    masking does not renormalize a beam's distribution."""
+    # logits: [S, V] (unfiltered); beam_scores / histories: per row of the groups, in order
+    dev, vocab = logits.device, logits.shape[-1]
+    rows = [g.start + j for g in groups for j in range(g.num_rows)]
+    logp = logits[rows].float().log_softmax(dim=-1)                           # [R, V], a fresh tensor
+    m_rows, m_cols = _mask_indices([states[r] for r in rows], [num_output_tokens[r] for r in rows])
+    if m_rows:
+        logp.index_put_((to_device(m_rows, torch.long, dev), to_device(m_cols, torch.long, dev)), _neg_inf(dev))
+    for i, r in enumerate(rows):
+        for fn in states[r].params.logits_processors or ():
+            fn(histories[i] if histories[i] is not None else [-1] * num_output_tokens[r], logp[i])
+    scores = logp + to_device(beam_scores, torch.float32, dev)[:, None]     # [R, V]
+    width = max(g.num_rows for g in groups)
+    keep = max(g.num_keep for g in groups)
+    # Groups side by side, each padded to `width` beams of -inf: [G, width * V], beam-major as
+    # transformers flattens them, so the parent of flat index i is i // V and its token i % V.
+    slots = to_device([gi * width + j for gi, g in enumerate(groups) for j in range(g.num_rows)], torch.long, dev)
+    padded = torch.full((len(groups) * width, vocab), float("-inf"), device=dev)
+    top_scores, top_idx = padded.index_copy(0, slots, scores).view(len(groups), -1).topk(keep, dim=-1)  # [G, keep]
+    token_logprobs = padded.index_copy(0, slots, logp).view(len(groups), -1).gather(1, top_idx)       # [G, keep]
+    return BeamCandidates(top_scores, top_idx // vocab, top_idx % vocab, token_logprobs,
+                          [g.num_keep for g in groups])
+
+
 class Sampler:
-    def sample(self, logits: torch.Tensor, states: list[SeqSamplingState],
-               num_output_tokens: list[int]) -> DeviceSample:
-        """Choose one token per row without waiting for the device."""
+    def sample(self, logits: torch.Tensor, states: list[SeqSamplingState], num_output_tokens: list[int],
+               beam_groups: list[BeamGroup] = (), beam_scores: list[float] = (),
+               beam_histories: list[list[int] | None] = ()) -> DeviceSample:
+        """Choose one token per row without waiting for the device; for ``beam_groups`` (rows of
+        beam-search requests, whose chosen token is meaningless) propose candidates instead."""
         # logits: [S, V] float32; num_output_tokens: tokens each row has produced so far
+        beams = None
+        if beam_groups:
+            histories = list(beam_histories) or [None] * len(beam_scores)
+            beams = _beam_candidates(logits, states, num_output_tokens, list(beam_groups), list(beam_scores),
+                                     histories)
+        sample = self._choose(logits, states, num_output_tokens)
+        sample.beams = beams
+        return sample
+
+    def _choose(self, logits: torch.Tensor, states: list[SeqSamplingState],
+                num_output_tokens: list[int]) -> DeviceSample:
         rows, cols = _mask_indices(states, num_output_tokens)
         if rows:
             dev = logits.device
             logits = logits.index_put((to_device(rows, torch.long, dev), to_device(cols, torch.long, dev)),
                                       _neg_inf(dev))
-        processed = [r for r, st in enumerate(states) if st.params.logits_processors]
+        # Beam rows run their processors in _beam_candidates, over each beam's own history.
+        processed = [r for r, st in enumerate(states) if st.params.logits_processors
+                     and not st.params.use_beam_search]
         if processed:
             logits = _apply_logits_processors(logits, states, num_output_tokens, processed, owned=bool(rows))
-        greedy = [st.params.is_greedy for st in states]
+        greedy = [st.params.is_greedy or st.params.use_beam_search for st in states]   # beams: no RNG
         chosen = logits.argmax(dim=-1)                                      # [S]
         if not all(greedy):
             idx = [i for i, g in enumerate(greedy) if not g]

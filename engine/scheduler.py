@@ -18,15 +18,24 @@ Policy, in the order ``schedule()`` applies it:
 2. Unless step 1 preempted, waiting requests are admitted strictly first come, first
    served: the first one that does not fit ends admission (no overtaking), so a large
    request is never starved by small ones behind it.
+
+Beam search: a request starts with one sequence and runs up to ``best_of`` beams, all of
+which admission reserves (batch rows and headroom). After each step ``BeamState`` picks the
+surviving (parent, token) pairs; a parent chosen twice is forked, its blocks shared by
+reference count, and a beam about to write into a shared, partly filled block gets its
+own copy at the next ``schedule()`` (copy-on-write; the copies ride in
+``SchedulerOutput.block_copies``). Beam requests are never advanced with placeholders:
+the engine resolves the previous step before scheduling while one is live.
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 from enc2dec.engine.admission import SchedulerLimits, admission_error  # noqa: F401 (re-export)
-from enc2dec.engine.batch import (ModelRunnerOutput, SampledToken, ScheduledEncode,
+from enc2dec.engine.batch import (BeamCandidate, ModelRunnerOutput, SampledToken, ScheduledEncode,
                                   ScheduledSeq, SchedulerOutput)
+from enc2dec.engine.beam_search import fork_sequence
 from enc2dec.engine.block_manager import BlockPool, blocks_needed
 from enc2dec.engine.request import PLACEHOLDER_TOKEN_ID, Request, RequestStatus, Sequence
 from enc2dec.engine.stop_rules import check_stop
@@ -145,7 +154,7 @@ class Scheduler:
     def _grow_self_blocks(self, req: Request, out: SchedulerOutput) -> bool:
         """Cover every live sequence's tokens, preempting newer requests; False if req itself went."""
         seqs = _schedulable(req)
-        num_missing = sum(self._num_missing_self_blocks(s) for s in seqs)
+        num_missing = sum(self._num_missing_self_blocks(s) for s in seqs) + self._num_copy_on_write_blocks(seqs)
         while not self.self_pool.can_allocate(num_missing):
             victim = self.running[-1]
             self._preempt(victim)
@@ -153,8 +162,29 @@ class Scheduler:
             if victim is req:
                 return False
         for seq in seqs:
+            self._copy_on_write(seq, out)
             seq.block_ids.extend(self.self_pool.allocate(self._num_missing_self_blocks(seq)))
         return True
+
+    def _written_blocks(self, seq: Sequence) -> list[int]:
+        """The blocks this step writes into (from the first uncomputed position on)."""
+        return seq.block_ids[seq.num_computed_tokens // self.limits.tokens_per_block:]
+
+    def _num_copy_on_write_blocks(self, seqs: list[Sequence]) -> int:
+        """Copies ``_copy_on_write`` will make: every holder of a shared block it writes takes
+        a copy, except the last one when nobody outside ``seqs`` holds the block."""
+        holders = Counter(b for s in seqs for b in self._written_blocks(s) if self.self_pool.ref_count(b) > 1)
+        return sum(n - (self.self_pool.ref_count(b) == n) for b, n in holders.items())
+
+    def _copy_on_write(self, seq: Sequence, out: SchedulerOutput) -> None:
+        first = seq.num_computed_tokens // self.limits.tokens_per_block
+        for i in range(first, len(seq.block_ids)):
+            block_id = seq.block_ids[i]
+            if self.self_pool.ref_count(block_id) > 1:
+                (copy_id,) = self.self_pool.allocate(1)
+                out.block_copies.append((block_id, copy_id))
+                self.self_pool.free([block_id])
+                seq.block_ids[i] = copy_id
 
     def _preempt(self, req: Request) -> None:
         assert self.running[-1] is req, "only the newest running request is preempted"
@@ -180,10 +210,10 @@ class Scheduler:
         seqs = _schedulable(req)
         num_step_tokens = req.encoder_len + sum(s.num_new_tokens for s in seqs)
         num_self_blocks = sum(blocks_needed(s.num_tokens, tpb) + self._num_growth_blocks(req, s)
-                              for s in seqs)
+                              for s in seqs) + self._num_unexpanded_beams(req, seqs)
         return (budget.num_encodes + 1 <= lim.encoder_max_batch_size
                 and budget.num_encoder_tokens + req.encoder_len <= lim.encoder_max_num_tokens
-                and budget.num_seqs + len(seqs) <= lim.max_batch_size
+                and budget.num_seqs + len(seqs) + self._num_unexpanded_beams(req, seqs) <= lim.max_batch_size
                 and budget.num_tokens + num_step_tokens <= lim.max_num_tokens
                 and self.cross_pool.can_allocate(blocks_needed(req.encoder_len, tpb))
                 # Leave room for every running sequence to grow next step, so a request is
@@ -225,6 +255,19 @@ class Scheduler:
             budget.num_tokens += end - start
             budget.num_seqs += 1
             budget.num_growth_blocks += self._num_growth_blocks(req, seq)
+            if req.beam is not None:
+                out.seqs[-1].cumulative_logprob = seq.cumulative_logprob
+                if req.beam.needs_token_ids:
+                    out.seqs[-1].output_token_ids = seq.output_token_ids
+        # Beams not forked yet: their rows (and a private last block each) are reserved now, so
+        # expanding never overflows max_batch_size nor preempts at once.
+        num_unexpanded = self._num_unexpanded_beams(req, _schedulable(req))
+        budget.num_seqs += num_unexpanded
+        budget.num_growth_blocks += num_unexpanded
+
+    @staticmethod
+    def _num_unexpanded_beams(req: Request, seqs: list[Sequence]) -> int:
+        return max(0, req.beam_width - len(seqs)) if seqs else 0
 
     def _num_missing_self_blocks(self, seq: Sequence) -> int:
         return blocks_needed(seq.num_tokens, self.limits.tokens_per_block) - len(seq.block_ids)
@@ -240,6 +283,7 @@ class Scheduler:
     def update(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[Request]:
         """Append this step's sampled tokens and apply stop rules; returns requests finished now."""
         finished: list[Request] = []
+        beam_reqs: dict[str, Request] = {}
         for scheduled in sched_out.seqs:
             entry = self._live_seqs.get(scheduled.seq_id)
             if entry is None:
@@ -252,6 +296,10 @@ class Scheduler:
             if scheduled.seq_len < seq.num_tokens:
                 seq.num_computed_tokens = scheduled.seq_len   # an inner prompt token: no output yet
                 continue
+            if req.beam is not None:
+                seq.num_computed_tokens = scheduled.seq_len
+                beam_reqs[req.request_id] = req               # all its beams step together below
+                continue
             sampled = runner_out.sampled.get(scheduled.seq_id)
             assert sampled is not None, f"runner returned no token for seq {scheduled.seq_id}"
             self._append_token(seq, sampled, scheduled.seq_len)
@@ -260,14 +308,14 @@ class Scheduler:
                 done = self._finish(req, seq, status, stop_reason)
                 if done is not None:
                     finished.append(done)
-        return finished
+        return finished + self._beam_steps(beam_reqs, runner_out)
 
     def advance(self, sched_out: SchedulerOutput) -> None:
         """Overlap mode: step ``sched_out`` is on the GPU; account its tokens as placeholders."""
         for scheduled in sched_out.seqs:
             entry = self._live_seqs.get(scheduled.seq_id)
-            if entry is None:
-                continue
+            if entry is None or entry[0].beam is not None:
+                continue   # gone, or a beam: its successors are known only once resolved
             seq = entry[1]
             assert seq.num_computed_tokens == scheduled.start_pos, f"seq {seq.seq_id} advanced twice"
             seq.num_computed_tokens = scheduled.seq_len
@@ -278,11 +326,18 @@ class Scheduler:
         """Overlap mode: write step ``sched_out``'s sampled tokens over their placeholders and
         apply the stop rules; returns requests finished now."""
         finished: list[Request] = []
+        beam_reqs: dict[str, Request] = {}
         for scheduled in sched_out.seqs:
             entry = self._live_seqs.get(scheduled.seq_id)
             if entry is None:
                 continue   # stopped at an earlier step, aborted, or finished meanwhile
             req, seq = entry
+            if req.beam is not None:      # not advanced: resolved as update() would
+                if seq.num_computed_tokens == scheduled.start_pos:
+                    seq.num_computed_tokens = scheduled.seq_len
+                    if scheduled.seq_len == seq.num_tokens:
+                        beam_reqs[req.request_id] = req
+                continue
             index = scheduled.seq_len           # where advance() put the placeholder
             if index >= seq.num_tokens or seq.token_ids[index] != PLACEHOLDER_TOKEN_ID:
                 continue   # preempted and re-fed, or resolved already
@@ -296,7 +351,54 @@ class Scheduler:
                 done = self._finish(req, seq, status, stop_reason)
                 if done is not None:
                     finished.append(done)
+        return finished + self._beam_steps(beam_reqs, runner_out)
+
+    # ---------------------------------------------------------------------- beam search
+
+    def _beam_steps(self, beam_reqs: dict[str, Request], runner_out: ModelRunnerOutput) -> list[Request]:
+        finished = []
+        for rid, req in beam_reqs.items():
+            done = self._beam_step(req, runner_out.beams[rid])
+            if done is not None:
+                finished.append(done)
         return finished
+
+    def _beam_step(self, req: Request, candidates: list[BeamCandidate]) -> Request | None:
+        """Replace the running beams by this step's survivors; returns ``req`` when its search is done."""
+        parents = {s.seq_id: s for s in req.live_seqs}
+        assert all(s.num_computed_tokens == s.num_tokens for s in parents.values()), \
+            f"request {req.request_id}: its beams did not all step together"
+        step = req.beam.step(parents, candidates, lambda p, tok: check_stop(req, p, tok, p.num_tokens + 1),
+                             req.max_output_tokens)
+        if step.is_done:
+            status = req.beam.finished[0].status if req.beam.finished else RequestStatus.FINISHED_LENGTH
+            done = None
+            for seq in list(req.live_seqs):
+                done = self._finish(req, seq, status, None)
+            return done
+        # Forks copy their parent before any survivor appends its token.
+        survivors, claimed = [], set()
+        for parent, cand in step.running:
+            if parent.seq_id in claimed:
+                child = fork_sequence(parent, self.self_pool.fork(parent.block_ids))
+                self._live_seqs[child.seq_id] = (req, child)
+            else:
+                claimed.add(parent.seq_id)
+                child = parent
+            survivors.append((child, cand))
+        for parent in parents.values():
+            if parent.seq_id not in claimed:       # no child: its blocks go (shared ones lose a reference)
+                self.self_pool.free(parent.block_ids)
+                parent.block_ids = []
+                del self._live_seqs[parent.seq_id]
+        for rank, (child, cand) in enumerate(survivors):
+            child.index = rank
+            child.token_ids.append(cand.token_id)
+            child.cumulative_logprob = cand.cumulative_logprob     # the device's float32 sum, as ranked
+            if req.beam.keep_logprobs:
+                child.logprobs = (child.logprobs or []) + [{cand.token_id: cand.logprob}]
+        req.seqs = [child for child, _ in survivors]
+        return None
 
     @staticmethod
     def _append_token(seq: Sequence, sampled: SampledToken, seq_len: int) -> None:

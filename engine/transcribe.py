@@ -67,18 +67,20 @@ class _DecodeError(RuntimeError):
 
 def transcribe(llm, sources: Sequence, *, language: str | None = None, task: str = "transcribe",
                strategy: str = "chunked", timestamps: bool = False, batch_size: int = 32,
-               progress: TranscribeProgress | None = None) -> list[Transcript]:
+               progress: TranscribeProgress | None = None, beam_size: int = 1) -> list[Transcript]:
     """Transcripts in the order of ``sources`` (file paths, or ``(samples, sample_rate)``
-    arrays). ``language=None`` detects it per file on multilingual checkpoints. Raises
-    ``ValueError`` for bad options; per-file problems go to ``Transcript.error``."""
+    arrays). ``language=None`` detects it per file on multilingual checkpoints. ``beam_size``
+    > 1 decodes each window by beam search (the LLM needs ``max_beam_width >= beam_size``).
+    Raises ``ValueError`` for bad options; per-file problems go to ``Transcript.error``."""
     return asyncio.run(transcribe_async(llm, sources, language=language, task=task, strategy=strategy,
-                                        timestamps=timestamps, batch_size=batch_size, progress=progress))
+                                        timestamps=timestamps, batch_size=batch_size, progress=progress,
+                                        beam_size=beam_size))
 
 
 async def transcribe_async(llm, sources: Sequence, *, language: str | None = None, task: str = "transcribe",
                            strategy: str = "chunked", timestamps: bool = False, batch_size: int = 32,
-                           progress: TranscribeProgress | None = None) -> list[Transcript]:
-    run = _Run(llm, language, task, strategy, timestamps, batch_size, progress or TranscribeProgress())
+                           progress: TranscribeProgress | None = None, beam_size: int = 1) -> list[Transcript]:
+    run = _Run(llm, language, task, strategy, timestamps, batch_size, progress or TranscribeProgress(), beam_size)
     named = [(_name(s, i), s) for i, s in enumerate(sources)]
     durations = [_probe(src) for _, src in named]
     run.progress.start(sum(d for d in durations if isinstance(d, float)))
@@ -110,7 +112,7 @@ def _frames_first(samples: np.ndarray) -> np.ndarray:
 
 
 class _Run:
-    def __init__(self, llm, language, task, strategy, timestamps, batch_size, progress):
+    def __init__(self, llm, language, task, strategy, timestamps, batch_size, progress, beam_size=1):
         self.llm = llm
         self.tokens, fe, self.max_positions = engine_whisper_info(llm)
         self.sample_rate = fe.sampling_rate
@@ -119,6 +121,9 @@ class _Run:
             raise ValueError(f"strategy {strategy!r} is not valid; valid: {', '.join(STRATEGIES)}")
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        if not isinstance(beam_size, int) or beam_size < 1:
+            raise ValueError(f"beam_size must be an integer >= 1, got {beam_size!r}")
+        self.beam_size = beam_size
         self.tokens.check_task(task)
         if timestamps and not self.tokens.has_timestamps:
             raise ValueError("this checkpoint's vocabulary has no timestamp tokens; transcribe without timestamps")
@@ -264,7 +269,8 @@ class _Run:
         prefix = tok.prefix(t.language, self.task, use_ts)
         processors, begin = self._processors(detect, use_ts, cap_first_timestamp)
         params = SamplingParams(max_tokens=min(MAX_WINDOW_TOKENS + begin, self.max_positions - len(prefix)),
-                                temperature=0.0, detokenize=False, logits_processors=processors or None)
+                                temperature=0.0, detokenize=False, logits_processors=processors or None,
+                                use_beam_search=self.beam_size > 1, best_of=self.beam_size, n=1)
         prompt = {"prompt": "".join(self.llm.tokenizer.convert_ids_to_tokens(prefix)),
                   "multi_modal_data": {"audio": [(window, self.sample_rate)]}}
         async with self.request_slots:

@@ -1,9 +1,10 @@
 """The reference: transformers ``generate`` on the same inputs with the same decoding.
 
 Same checkpoint folder, dtype and device as the engine; the encoder inputs are the token ids
-the engine itself encoded (text) or the same 16 kHz waves (Whisper). Decoding is greedy with
-``max_new_tokens`` equal to the engine's ``max_tokens``, and everything the engine does not do
-is switched off: beams, sampling, no-repeat n-grams, repetition and length penalties,
+the engine itself encoded (text) or the same 16 kHz waves (Whisper). Decoding is greedy (or
+beam search with the engine's ``num_beams``, length_penalty 1.0, early_stopping False, as the
+engine's defaults) with ``max_new_tokens`` equal to the engine's ``max_tokens``, and everything
+the engine does not do is switched off: sampling, no-repeat n-grams, repetition penalties,
 minimum lengths, a forced EOS at the limit. The checkpoint's own settings that this overrides
 are listed in ``notes``, because they change what "the model's answer" means.
 
@@ -50,7 +51,8 @@ def _greedy_config(gen, is_whisper: bool):
 
 class HfReference:
     def __init__(self, model_path: str, device, dtype, hf_config, generation_config, tokenizer,
-                 feature_extractor, max_new_tokens: int, whisper_kwargs: dict | None, eos_ids: frozenset[int]):
+                 feature_extractor, max_new_tokens: int, whisper_kwargs: dict | None, eos_ids: frozenset[int],
+                 num_beams: int = 1):
         import torch
         import transformers
         from transformers import AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq
@@ -65,8 +67,10 @@ class HfReference:
         auto = AutoModelForSpeechSeq2Seq if self.is_whisper else AutoModelForSeq2SeqLM
         self.model = auto.from_pretrained(model_path, dtype=dtype).to(device).eval()
         gen, overridden = _greedy_config(generation_config, self.is_whisper)
+        gen.num_beams = num_beams      # the engine's width; length_penalty / early_stopping stay at its defaults
+        how = "greedily" if num_beams == 1 else f"with num_beams={num_beams}"
         self.notes = [(f"the checkpoint's generation config sets {', '.join(overridden)}; both sides decode "
-                       "greedily without them")] if overridden else []
+                       f"{how} without them")] if overridden else []
         if hf_config.model_type == "t5" and (hf_config.num_decoder_layers or hf_config.num_layers) != \
                 hf_config.num_layers:
             # transformers 5.x sizes T5's DynamicCache by num_layers and fails when the decoder is

@@ -36,9 +36,8 @@ class EvalOptions:
 
     def validate(self) -> None:
         spec = self.spec
-        if self.num_beams != 1:
-            raise EvalInputError(f"--num-beams {self.num_beams}: beam search is not available in the engine "
-                                 "yet; eval decodes greedily (--num-beams 1)")
+        if self.num_beams < 1:
+            raise EvalInputError(f"--num-beams must be >= 1 (1: greedy), got {self.num_beams}")
         if self.reference not in REFERENCES:
             raise EvalInputError(f"--reference {self.reference!r} is not valid; valid: {', '.join(REFERENCES)}")
         for name, flag in (("batch_size", "--batch-size"), ("max_tokens", "--max-tokens")):

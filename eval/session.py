@@ -7,6 +7,7 @@ The engine is shut down before the reference loads, so on a GPU the two never sh
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 
@@ -131,6 +132,10 @@ def run_eval(opts: EvalOptions, progress=None) -> EvalResult:
     spec = opts.spec
     M.check_available(spec.metrics)
     args = build_llm_args(opts.model, opts.config, opts.engine_overrides, opts.batch_size)
+    if opts.num_beams > 1:
+        # Reserve the beams, and rows for them: transformers runs batch_size x num_beams rows too.
+        args = dataclasses.replace(args, max_beam_width=max(args.max_beam_width, opts.num_beams),
+                                   max_batch_size=args.max_batch_size * opts.num_beams)
     if opts.reference == "hf" and args.load_format == "dummy":
         raise EvalInputError("--reference hf needs the checkpoint's weights, and the config asks for "
                              "load_format: dummy; use --reference none")
@@ -157,7 +162,7 @@ def run_eval(opts: EvalOptions, progress=None) -> EvalResult:
     report = build_report(
         opts=opts, args=args, data=data, bad=bad, rows=rows, device=plan.device, dtype=plan.dtype,
         attn_backend=plan.attn_backend,
-        decoding={"greedy": True, "max_tokens": plan.max_tokens, "whisper_prompt": plan.whisper_prompt,
+        decoding={"greedy": opts.num_beams == 1, "num_beams": opts.num_beams, "max_tokens": plan.max_tokens, "whisper_prompt": plan.whisper_prompt,
                   "prefix": plan.prefix, "prefix_from": plan.prefix_from, "notes": plan.notes},
         normalizer=plan.normalizer.name if plan.normalizer else None, ours=ours, hf=hf_metrics,
         metric_notes=metric_notes, parity=parity, engine_wall_s=engine_wall_s, hf_wall_s=hf_wall_s,
@@ -203,7 +208,8 @@ def _engine_side(opts: EvalOptions, args, data: LoadedData, bad: list[BadRow], p
         plan, examples = _plan(opts, args, core, llm.tokenizer, data, bad)
         if not examples:
             raise all_bad_error(data, bad)
-        params = SamplingParams(max_tokens=plan.max_tokens, temperature=0.0)
+        params = SamplingParams(max_tokens=plan.max_tokens, temperature=0.0, use_beam_search=opts.num_beams > 1,
+                                best_of=opts.num_beams, n=1)
         warm_up(llm, examples, params, plan.whisper_prompt, opts.warmup)
         run = run_engine(llm, examples, params, plan.whisper_prompt, progress,
                          max_in_flight=4 * args.max_batch_size)
@@ -235,7 +241,7 @@ def _reference_side(opts: EvalOptions, args, plan: Plan, rows: list[RowOutput], 
 
     path = args.model if os.path.isdir(args.model) else resolve_model(args.model, None, args.load_format).path
     ref = HfReference(path, plan.device, plan.dtype, plan.hf_config, plan.generation_config, plan.tokenizer,
-                      plan.feature_extractor, plan.max_tokens, plan.whisper_kwargs, plan.eos_ids)
+                      plan.feature_extractor, plan.max_tokens, plan.whisper_kwargs, plan.eos_ids, opts.num_beams)
     plan.notes += ref.notes
     try:
         items = {r.example.row: (r.example.source if opts.spec.is_audio else r.encoder_ids) for r in rows}

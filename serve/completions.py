@@ -53,10 +53,9 @@ def register(app, front, config) -> None:
         except ClientGone:
             return Response(status_code=499)
         except APIError as e:
-            if body.use_beam_search and e.status == 400 and "beam" in e.message:
-                if not e.message.startswith("beam search"):
-                    e.message = f"beam search is not available on this server: {e.message}"
-                e.param = "use_beam_search"
+            if body.use_beam_search and e.status == 400 and "max_beam_width" in e.message:
+                e.message += " (a server's max_beam_width is set at start: --max-beam-width or its --config YAML)"
+                e.param = "best_of"
             raise
         choices = []
         for i, out in enumerate(outs):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Union
+from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
@@ -39,7 +39,7 @@ class CompletionRequest(BaseModel):
     best_of: int | None = Field(None, ge=1)
     use_beam_search: bool = False
     length_penalty: float = 1.0
-    early_stopping: bool = False
+    early_stopping: Union[bool, Literal["never"]] = False
     stop: str | list[str] | None = None
     stop_token_ids: list[StrictInt] | None = None
     include_stop_str_in_output: bool = False

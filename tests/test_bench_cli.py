@@ -162,3 +162,40 @@ def test_help_does_not_import_torch():
             "r = CliRunner().invoke(app, ['bench', '--help']); assert r.exit_code == 0, r.output; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_cli_beam_width_reaches_the_engine_and_the_baselines(fake_llm, monkeypatch, tmp_path):
+    seen, widths = [], []
+    submit = FakeLLM.generate_async
+
+    def spy(self, prompt, params, streaming=False):
+        seen.append(params)
+        return submit(self, prompt, params, streaming)
+
+    def no_baseline_run(self, reqs, device, dtype):      # the HF side's num_beams: see the next test
+        widths.append(self.opts.beam_width)
+
+    monkeypatch.setattr(FakeLLM, "generate_async", spy)
+    monkeypatch.setattr(session._Run, "_run_baselines", no_baseline_run)
+    out = tmp_path / "r.json"
+    r = bench_cli(*BASE, "--concurrency", "2", "--num-requests", "2", "--output-len", "3", "--beam-width", "4",
+                  "--baseline", "hf", "--report-json", str(out))
+    assert r.exit_code == 0, r.output
+    args = fake_llm[0].args
+    assert args.max_beam_width == 4 and args.max_batch_size >= 2 * 4
+    assert seen and all(p.use_beam_search and p.best_of == 4 and p.n == 1 for p in seen)
+    assert widths == [4]
+    assert json.loads(out.read_text())["engine_args"]["max_beam_width"] == 4
+    r = bench_cli(*BASE, "--beam-width", "0")
+    assert r.exit_code == 2 and "--beam-width must be >= 1" in r.output
+
+
+def test_hf_baseline_runs_num_beams(t5_relu):
+    import torch
+    from enc2dec.bench.hf_baseline import HfBaseline
+    from enc2dec.bench.workloads import BenchRequest
+
+    base = HfBaseline("hf", t5_relu, "auto", torch.device("cpu"), torch.float32, num_beams=3)
+    assert base.generation_config.num_beams == 3
+    records = base.run_batch([BenchRequest([5, 6, 7, 1], 4, 5), BenchRequest([8, 9, 1], 3, 5)])
+    assert [(r.error, r.output_len) for r in records] == [(None, 5), (None, 5)]

@@ -31,6 +31,7 @@ def test_unknown_nested_key():
     ({"cuda_graph_config": {"batch_sizes": [0, 2]}}, "cuda_graph_config.batch_sizes must be a non-empty list"),
     ({"scheduler_config": {"capacity_scheduler_policy": "FIFO"}}, "capacity_scheduler_policy='FIFO' is not valid"),
     ({"kv_cache_config": {"use_kv_cache_manager_v2": True}, "max_beam_width": 4}, "requires max_beam_width=1"),
+    ({"max_beam_width": 8, "max_batch_size": 4}, r"max_beam_width \(8\) must not exceed max_batch_size \(4\)"),
 ])
 def test_invalid_values_name_the_key(data, pattern):
     with pytest.raises(ValueError, match=pattern):

@@ -130,7 +130,7 @@ def test_missed_threshold_exits_1(t5_relu, text_data, tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--task", "translation", "--num-beams", "4"], "beam search is not available"),
+    (["--task", "translation", "--num-beams", "0"], "--num-beams must be >= 1"),
     (["--task", "poetry"], "--task 'poetry' is not valid; valid: translation, summarization"),
     (["--task", "translation", "--max-wer", "0.1"], "--max-wer does not apply to --task translation"),
     (["--task", "transcription", "--min-rouge", "10"], "--min-rouge does not apply to --task transcription"),
@@ -176,3 +176,31 @@ def test_unreadable_file_exits_2(tmp_path):
     path.write_bytes('{"source": "Grüße", "target": "hi"}\n'.encode("latin-1"))
     r = eval_cli("--task", "translation", "--model", "unused", "--data", str(path))
     assert r.exit_code == 2 and "UnicodeDecodeError" in flat(r.output) and "Traceback" not in r.output
+
+
+def test_num_beams_runs_beam_search_on_both_sides(t5_relu, text_data, tmp_path, monkeypatch):
+    from enc2dec.engine import LLM
+    from enc2dec.eval import hf_reference
+
+    seen = {}
+    submit, hf_generate = LLM.generate_async, hf_reference.HfReference._generate
+
+    def spy(self, prompt, params=None, streaming=False):
+        seen["engine"] = (self.args.max_beam_width, params)
+        return submit(self, prompt, params, streaming)
+
+    def hf_spy(self, items):
+        seen["hf"] = self.generation_config.num_beams
+        return hf_generate(self, items)
+
+    monkeypatch.setattr(LLM, "generate_async", spy)
+    monkeypatch.setattr(hf_reference.HfReference, "_generate", hf_spy)
+    out = tmp_path / "report.json"
+    r = eval_cli("--task", "translation", "--model", t5_relu, "--data", text_data, "--max-tokens", "10",
+                 "--batch-size", "1", "--num-beams", "3", "--min-parity", "1.0", "--report-json", str(out))
+    assert r.exit_code == 0, r.output
+    width, params = seen["engine"]
+    assert width == 3 and params.use_beam_search and params.best_of == 3 and params.n == 1
+    assert seen["hf"] == 3
+    rep = json.loads(out.read_text())
+    assert rep["decoding"]["num_beams"] == 3 and rep["parity"]["exact_match"] == 1.0

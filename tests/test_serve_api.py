@@ -133,7 +133,7 @@ def test_models_health_version_and_metrics(server, client):
     ({"model": NAME, "prompt": []}, 400, "prompt", "empty"),
     ({"model": NAME, "prompt": [[1, 2], []]}, 400, "prompt", "empty"),
     ({"model": NAME, "prompt": [1, 2, 999999]}, 400, None, "outside the vocabulary"),
-    ({"model": NAME, "prompt": "x", "use_beam_search": True, "best_of": 2}, 400, None, "beam"),
+    ({"model": NAME, "prompt": "x", "use_beam_search": True, "best_of": 2}, 400, "best_of", "max_beam_width=1"),
     ({"model": NAME, "prompt": "x", "best_of": 3}, 400, "best_of", "use_beam_search"),
     ({"model": NAME, "prompt": "x", "echo": True}, 400, "echo", "not supported"),
     ({"model": NAME, "prompt": "x", "min_tokens": 9, "max_tokens": 4}, 400, "min_tokens", "min_tokens"),
@@ -155,8 +155,8 @@ def test_bad_requests_get_openai_errors(server, body, status, param, needle):
 def test_openai_client_raises_typed_errors(client):
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="nope", prompt="x")
-    with pytest.raises(openai.BadRequestError, match="beam search"):
-        client.completions.create(model=NAME, prompt="x", extra_body={"use_beam_search": True})
+    with pytest.raises(openai.BadRequestError, match="max_beam_width"):
+        client.completions.create(model=NAME, prompt="x", extra_body={"use_beam_search": True, "best_of": 2})
 
 
 def test_invalid_json_oversize_body_unknown_route_and_wrong_endpoint(server):
@@ -213,3 +213,45 @@ def test_engine_error_is_a_500_and_the_server_keeps_serving(server, client, monk
     m = server.wait_idle()
     assert m['enc2dec_http_requests_total{endpoint="/v1/completions",status="500"}'] == 1
     assert m['enc2dec_request_finished_total{reason="error"}'] == 2
+
+
+@pytest.fixture(scope="module")
+def beam_server(t5_relu):
+    srv = LiveServer(ServeConfig(model=t5_relu, served_model_names=(NAME,)),
+                     tiny_llm_factory(t5_relu, max_beam_width=4)).start()
+    yield srv
+    srv.stop()
+
+
+def test_beam_search_fields_reach_the_engine(beam_server):
+    from enc2dec.serve.protocol import CompletionRequest
+
+    fields = {"use_beam_search": True, "best_of": 4, "n": 2, "length_penalty": 0.5, "early_stopping": "never"}
+    params = CompletionRequest(prompt="x", max_tokens=8, **fields).sampling_params()
+    assert (params.use_beam_search, params.best_of, params.n, params.length_penalty, params.early_stopping) == \
+        (True, 4, 2, 0.5, "never")
+    prompts = ["translate the house is big", "hello"]
+    r = httpx.post(beam_server.url + "/v1/completions", json={"model": NAME, "prompt": prompts, "max_tokens": 8,
+                                                              **fields}, timeout=60)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    for i, prompt in enumerate(prompts):
+        ref = reference(beam_server, prompt, max_tokens=8, **fields)
+        assert [c["text"] for c in choices[2 * i:2 * i + 2]] == [o.text for o in ref]
+    assert r.json()["usage"]["completion_tokens"] == sum(len(o.token_ids) for p in prompts
+                                                         for o in reference(beam_server, p, max_tokens=8, **fields))
+    streamed = httpx.post(beam_server.url + "/v1/completions", json={"model": NAME, "prompt": prompts[0],
+                                                                     "max_tokens": 8, "stream": True, **fields},
+                          timeout=60)
+    events = [json.loads(line[5:]) for line in streamed.text.splitlines()
+              if line.startswith("data:") and line.strip() != "data: [DONE]"]
+    texts = {}
+    for e in events:
+        for c in e["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+    assert [texts[k] for k in sorted(texts)] == [c["text"] for c in choices[:2]]
+    r = httpx.post(beam_server.url + "/v1/completions", json={"model": NAME, "prompt": "x", "use_beam_search": True,
+                                                              "best_of": 8}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "best_of"
+    assert "best_of=8" in r.json()["error"]["message"] and "max_beam_width=4" in r.json()["error"]["message"]

@@ -125,7 +125,7 @@ def test_cli_stdout_strategies_and_quiet(whisper, audio_dir):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--beam-size", "4"], "beam search is not available yet"),
+    (["--beam-size", "0"], "--beam-size must be >= 1"),
     (["--strategy", "fast"], "--strategy 'fast' is not valid; valid: chunked, sequential"),
     (["--task", "summarize"], "--task 'summarize' is not valid"),
     (["-f", "docx"], "--output-format 'docx' is not valid"),
@@ -170,3 +170,19 @@ def test_cli_engine_config_without_cross_fraction_gets_the_default(whisper, audi
     config.write_text("max_batch_sise: 4\n")
     r = cli(str(audio_dir / "a.wav"), "--model", whisper, "--config", str(config), "--quiet")
     assert r.exit_code == 2 and "unknown config key 'max_batch_sise'" in r.stderr
+
+
+@pytest.mark.parametrize("language", [["--language", "en"], []])    # [] detects it: beams over its rules
+def test_cli_beam_size_reaches_sampling_params(whisper, audio_dir, monkeypatch, language):
+    seen = []
+    submit = LLM.generate_async
+
+    def spy(self, prompt, params=None, streaming=False):
+        seen.append((self.args.max_beam_width, params))
+        return submit(self, prompt, params, streaming)
+
+    monkeypatch.setattr(LLM, "generate_async", spy)
+    r = cli(str(audio_dir / "a.wav"), "--model", whisper, "--beam-size", "3", "--quiet", *language)
+    assert r.exit_code == 0, r.output
+    assert r.stdout.strip() and seen
+    assert all(width == 3 and p.use_beam_search and p.best_of == 3 and p.n == 1 for width, p in seen)
