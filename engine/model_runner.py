@@ -13,6 +13,7 @@ import torch
 
 from .attention import DecoderMetadata, EncoderMetadata, KVCache, get_attention_backend
 from .batch import ModelRunnerOutput, SampledToken, ScheduledEncode, ScheduledSeq, SchedulerOutput
+from .distributed import SINGLE, TensorParallelGroup
 from .kv_sizing import kv_bytes_per_token, plan_kv_pools
 from .loader import load_model
 from .request import PLACEHOLDER_TOKEN_ID
@@ -52,11 +53,15 @@ def _pad_table(tables: list[list[int]]) -> list[list[int]]:
 
 
 class ModelRunner:
+    """One rank's runner. With tensor parallelism (``tp``) every rank builds one and runs the
+    same steps in lockstep; ``tensor_parallel.py`` adds what differs on the driver and the workers."""
+
     def __init__(self, args, hf_config, model_path, device: torch.device, dtype: torch.dtype,
-                 attn_backend: str, max_input_len: int, feature_extractor=None):
+                 attn_backend: str, max_input_len: int, feature_extractor=None, tp: TensorParallelGroup = SINGLE):
         self.args = args
         self.device = device
         self.dtype = dtype
+        self.tp = tp
         self.is_whisper = hf_config.model_type == "whisper"
         self.backend = get_attention_backend(attn_backend)
         self.log_mel = None
@@ -64,7 +69,7 @@ class ModelRunner:
             from .log_mel import LogMel
 
             self.log_mel = LogMel(feature_extractor, device)
-        self.model = load_model(model_path, hf_config, self.backend, dtype, device, args.load_format)
+        self.model = load_model(model_path, hf_config, self.backend, dtype, device, args.load_format, tp)
         self.tokens_per_block = args.kv_cache_config.tokens_per_block
         self.kv_plan = self._plan_kv()
         self.kv = KVCache.allocate(self.model.num_decoder_layers, self.model.num_decoder_heads,
@@ -110,6 +115,7 @@ class ModelRunner:
             budget = int(kvc.max_cpu_memory_bytes)
         if kvc.max_tokens is not None:
             budget = min(budget, kvc.max_tokens * per_token)
+        budget = self.tp.min_int(budget, self.device)      # every rank the same pools: block ids are shared
         return plan_kv_pools(budget, kvc.cross_kv_cache_fraction, self.tokens_per_block, per_token)
 
     # ---- per step -------------------------------------------------------------------------
