@@ -94,12 +94,9 @@ class TensorParallelGroup:
                 pass
 
     def close(self) -> None:
-        fn = getattr(self.backend, "shutdown", None)
-        if fn is not None and _is_nccl(self.backend):
-            try:
-                fn()
-            except Exception:  # noqa: BLE001 - best effort while tearing down
-                pass
+        """Release the communicator without waiting on peers (which may already be gone):
+        an NCCL abort; gloo closes its sockets when the backend is dropped."""
+        self.abort()
 
 
 SINGLE = TensorParallelGroup()

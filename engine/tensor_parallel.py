@@ -86,8 +86,10 @@ def start_tensor_parallel(args, src, device: torch.device, dtype: torch.dtype, a
                                       src.feature_extractor, tp=tp, pool=pool)
         pool.wait_for("ready")
     except BaseException as e:
-        died = pool.death_error(DEATH_GRACE_S)
-        pool.stop()
+        # A ValueError is this rank's own verdict (e.g. a checkpoint that does not fit); any
+        # other error may be a collective that failed because a worker went first.
+        died = pool.death_error(0.0 if isinstance(e, ValueError) else DEATH_GRACE_S)
+        pool.stop(graceful=False)          # workers may be blocked in a collective with us
         if tp is not None:
             tp.close()
         if died is not None:
@@ -280,14 +282,15 @@ class WorkerPool:
         if died is not None:
             raise died
 
-    def stop(self) -> None:
-        """Ask every worker to exit, then terminate, then kill; close the sockets."""
+    def stop(self, graceful: bool = True) -> None:
+        """Ask every worker to exit (``graceful``), then terminate, then kill; close the sockets."""
         self._stopping.set()
-        try:
-            self.send_all(("stop", None))
-        except WorkerDiedError:
-            pass
-        deadline = time.monotonic() + STOP_TIMEOUT_S
+        if graceful:
+            try:
+                self.send_all(("stop", None))
+            except WorkerDiedError:
+                pass
+        deadline = time.monotonic() + (STOP_TIMEOUT_S if graceful else 0.0)
         for proc in self.procs.values():
             for action in (None, proc.terminate, proc.kill):
                 if action is not None:

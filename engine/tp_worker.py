@@ -77,9 +77,8 @@ def serve(conn: Connection, rank: int, size: int) -> None:
     while True:
         kind, payload = pickle.loads(conn.recv_bytes())
         if kind == "stop":
-            break
+            return                   # main() exits at once: no communicator teardown with peers
         runner.launch(payload)
-    tp.close()
 
 
 def main() -> None:

@@ -46,6 +46,24 @@ def _generate(path, tp: int, inputs, params):
     return [o.outputs[0] for o in outs], pids
 
 
+def _tp_worker_children() -> list[int]:
+    """Live (not zombie) worker processes started by this process."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid() and fields[0] != "Z" and b"enc2dec.engine.tp_worker" in cmdline:
+            found.append(int(entry))
+    return found
+
+
 def _is_running(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -111,6 +129,18 @@ def test_tp_size_over_the_visible_gpus_is_refused(t5_config_only, monkeypatch):
         _llm(t5_config_only, 2, device="cuda")
     with pytest.raises(ValueError, match=r"rank r always runs on cuda:r"):
         _llm(t5_config_only, 2, device="cuda:1")
+
+
+def test_a_checkpoint_that_fails_to_load_stops_every_rank(t5_relu, tmp_path):
+    import json
+
+    folder = tmp_path / "mismatch"
+    shutil.copytree(t5_relu, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "d_ff": 2 * config["d_ff"]}))
+    with pytest.raises(ValueError, match="has shape .* the model expects"):
+        _llm(str(folder), 2)
+    assert _tp_worker_children() == []
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")   # the engine thread's end
