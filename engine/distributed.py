@@ -33,8 +33,12 @@ def set_nccl_env() -> None:
     os.environ.update(NCCL_ENV)
 
 
-class WorkerDiedError(RuntimeError):
-    """A tensor-parallel worker process exited: the engine cannot run another step."""
+class TensorParallelError(RuntimeError):
+    """The ranks can no longer run steps together: fatal for the engine."""
+
+
+class WorkerDiedError(TensorParallelError):
+    """A tensor-parallel worker process exited."""
 
 
 @dataclass(frozen=True)

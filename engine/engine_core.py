@@ -18,7 +18,7 @@ import torch
 from .batch import SchedulerOutput
 from .config import LlmArgs
 from .detokenizer import IncrementalDetokenizer
-from .distributed import WorkerDiedError
+from .distributed import TensorParallelError
 from .input_processor import InputProcessor, ProcessedInput
 from .model_runner import ModelRunner
 from .model_source import resolve_model
@@ -185,8 +185,8 @@ class EngineCore:
         if not so.is_empty:
             try:
                 launched = (so, self.runner.launch(so))
-            except WorkerDiedError:
-                raise                               # no rank can run another step
+            except TensorParallelError:
+                raise                               # the ranks cannot run another step together
             except Exception as e:  # noqa: BLE001 - fail this step's requests, keep serving the rest
                 logger.exception("engine step failed")
                 return self._resolve_inflight() + self._fail_step(so, f"engine error: {type(e).__name__}: {e}")
@@ -210,7 +210,7 @@ class EngineCore:
     def _finish_step(self, so: SchedulerOutput, pending, apply) -> list[RequestOutput]:
         try:
             ro = pending.wait()
-        except WorkerDiedError:
+        except TensorParallelError:
             raise
         except Exception as e:  # noqa: BLE001 - an asynchronous device error surfaces here
             logger.exception("engine step failed")

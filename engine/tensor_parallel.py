@@ -17,7 +17,9 @@ turns the driver's next collective into an error (gloo notices the closed socket
 for NCCL a watcher thread aborts the communicator), which surfaces as
 ``WorkerDiedError("tensor-parallel worker 1 died (exit code -9)")``. ``shutdown()`` stops
 the workers (asking, then terminating, then killing). Workers exit by themselves when the
-driver disappears.
+driver disappears. A step that fails on rank 0 alone fails only its requests if every
+rank still completed it (sampling, the last collective, is always completed), and is
+fatal (``TensorParallelError``) otherwise.
 """
 from __future__ import annotations
 
@@ -38,8 +40,8 @@ from typing import Any
 import torch
 
 from .batch import SchedulerOutput
-from .distributed import (DEFAULT_TIMEOUT_S, TensorParallelGroup, WorkerDiedError, check_tensor_parallel,
-                          create_store, init_group, rank_device, set_nccl_env)
+from .distributed import (DEFAULT_TIMEOUT_S, TensorParallelError, TensorParallelGroup, WorkerDiedError,
+                          check_tensor_parallel, create_store, init_group, rank_device, set_nccl_env)
 from .model_runner import ModelRunner
 from .sampler import DeviceSample, Sampler
 
@@ -115,14 +117,19 @@ class TensorParallelRunner(ModelRunner):
 
     def launch(self, so: SchedulerOutput):
         self.pool.raise_if_dead()
+        message = _for_workers(so)
+        self.sampler.is_synced = False
         try:
-            self.pool.send_all(("step", _for_workers(so)))
+            self.pool.send_all(("step", message))
             pending = super().launch(so)
         except Exception as e:  # noqa: BLE001 - a dead peer shows up as any collective error
+            if self.sampler.is_synced:    # e.g. a logits processor raised: every rank finished the step
+                raise
             died = self.pool.death_error(DEATH_GRACE_S)
             if died is not None:
                 raise died from e
-            raise
+            raise TensorParallelError(f"a tensor-parallel step failed on rank 0 before its collectives "
+                                      f"completed, so the ranks are out of step: {type(e).__name__}: {e}") from e
         return _CheckedPendingStep(pending, self.pool)
 
     def shutdown(self) -> None:
@@ -150,14 +157,23 @@ class _CheckedPendingStep:
 
 
 class _BroadcastingSampler:
-    """Samples on rank 0 and broadcasts the chosen ids (int64 [S], on the device)."""
+    """Samples on rank 0 and broadcasts the chosen ids (int64 [S], on the device). When
+    sampling fails (a user's logits processor may raise) the workers, who wait for this
+    step's ids, still get a broadcast: the step fails on rank 0 only, as on one GPU."""
 
     def __init__(self, inner: Sampler, tp: TensorParallelGroup):
         self.inner, self.tp = inner, tp
+        self.is_synced = False        # this step's broadcast happened: the ranks are in step
 
     def sample(self, logits, states, num_output_tokens) -> DeviceSample:
-        out = self.inner.sample(logits, states, num_output_tokens)
+        try:
+            out = self.inner.sample(logits, states, num_output_tokens)
+        except Exception:
+            self.tp.broadcast_(torch.zeros(len(states), dtype=torch.long, device=logits.device))
+            self.is_synced = True
+            raise
         self.tp.broadcast_(out.token_ids.contiguous())
+        self.is_synced = True
         return out
 
 

@@ -104,6 +104,21 @@ def test_tp2_sampling_state_stays_on_the_driver(t5_relu):
         assert all(banned not in c.token_ids for c in g.outputs)
 
 
+def test_tp2_a_failing_logits_processor_fails_its_step_only(t5_relu):
+    def boom(ids, logits):
+        raise RuntimeError("boom")
+
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    with _llm(t5_relu, 1) as llm:
+        ref = llm.generate(PROMPTS, greedy, use_tqdm=False)
+    with _llm(t5_relu, 2) as llm:
+        failed = llm.generate("hello", SamplingParams(max_tokens=6, logits_processors=[boom]))
+        assert "boom" in failed.error and failed.outputs[0].finish_reason == "abort"
+        got = llm.generate(PROMPTS, greedy, use_tqdm=False)         # the ranks are still in step
+        assert llm.is_healthy
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+
+
 @pytest.fixture
 def t5_config_only(t5_relu, tmp_path):
     """The tiny T5's config and tokenizer without weights: loading any weight would fail."""
