@@ -2,7 +2,8 @@
 # Tensor parallelism on a 2-GPU machine (H200 x2): the TP GPU tests (float32 TP=2 greedy ids
 # identical to TP=1 on tiny models; bf16 TP=2 inside CUDA graphs), then flan-t5-xl bf16 with
 # dummy weights, 128 input / 128 output tokens, concurrency 1 and 64, TP=1 against TP=2.
-# JSON reports land under $OUT; a short table is printed last.      OUT=./tp-out bench/tp_check.sh
+# JSON reports land under $OUT; a short table is printed last. About 6 minutes with the
+# install; each part has its own limit (TEST_LIMIT_S, BENCH_LIMIT_S).    OUT=./tp-out bench/tp_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OUT=$(realpath -m "${OUT:-./tp-out}"); mkdir -p "$OUT"
@@ -19,13 +20,13 @@ python -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log"
   python -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
 } | tee "$OUT/machine.txt"
 echo "== pytest -m gpu tests/test_tp_gpu.py"
-timeout ${TEST_LIMIT_S:-240} python -m pytest -m gpu -q -p no:cacheprovider tests/test_tp_gpu.py >"$OUT/tp_tests.log" 2>&1
+timeout ${TEST_LIMIT_S:-180} python -m pytest -m gpu -q -p no:cacheprovider tests/test_tp_gpu.py >"$OUT/tp_tests.log" 2>&1
 echo "exit $?"; grep -E "passed|failed|skipped" "$OUT/tp_tests.log" | tail -1; grep -E "^FAILED|^ERROR" "$OUT/tp_tests.log" | head -8
 B="python -m enc2dec.cli.main bench"
 XL="--model google/flan-t5-xl --load-format dummy --dtype bfloat16 --input-len 128 --output-len 128 --quiet"
 for tp in 1 2; do
-  echo "enc2dec bench $XL --concurrency 1,64 --num-requests 8,128 --warmup 2 --tp-size $tp --report-json $OUT/xl-tp$tp.json" >>"$OUT/commands.txt"
-  timeout ${BENCH_LIMIT_S:-240} $B $XL --concurrency 1,64 --num-requests 8,128 --warmup 2 --tp-size $tp \
+  echo "enc2dec bench $XL --concurrency 1,64 --num-requests 4,64 --warmup 1 --tp-size $tp --report-json $OUT/xl-tp$tp.json" >>"$OUT/commands.txt"
+  timeout ${BENCH_LIMIT_S:-150} $B $XL --concurrency 1,64 --num-requests 4,64 --warmup 1 --tp-size $tp \
       --report-json "$OUT/xl-tp$tp.json" >"$OUT/xl-tp$tp.log" 2>&1
   echo "flan-t5-xl TP=$tp: exit $?"; grep -E "^error|FAILED" "$OUT/xl-tp$tp.log" | head -3
 done

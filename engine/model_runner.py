@@ -54,7 +54,7 @@ def _pad_table(tables: list[list[int]]) -> list[list[int]]:
 
 class ModelRunner:
     """One rank's runner. With tensor parallelism (``tp``) every rank builds one and runs the
-    same steps in lockstep; ``tensor_parallel.py`` adds what differs on the driver and the workers."""
+    same steps in lockstep; ``tensor_parallel.py`` (driver) and ``tp_worker.py`` add what differs."""
 
     def __init__(self, args, hf_config, model_path, device: torch.device, dtype: torch.dtype,
                  attn_backend: str, max_input_len: int, feature_extractor=None, tp: TensorParallelGroup = SINGLE):
