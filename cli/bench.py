@@ -90,6 +90,9 @@ def bench(
     cross_kv_cache_fraction: Annotated[OptFloat, _engine("Share of the KV budget for cross-attention "
                                                          "(default: the config's, else 0.5).")] = None,
     free_gpu_memory_fraction: Annotated[OptFloat, _engine("Share of free GPU memory the KV cache takes.")] = None,
+    tp_size: Annotated[OptInt, typer.Option("--tp-size", "--tp_size", rich_help_panel="Engine",
+                                            help="Tensor-parallel GPUs (tensor_parallel_size); the attention "
+                                                 "head counts must divide by it.")] = None,
     url: Annotated[OptStr, _engine("Bench a running OpenAI-compatible server (http://host:port) instead of "
                                    "the in-process engine.")] = None,
     concurrency: Annotated[str, _work("Comma-separated levels; each keeps C requests in flight.")] = "1,8,32,64",
@@ -156,7 +159,8 @@ def _options(o: dict):
                    "attn_backend", "cross_kv_cache_fraction", "free_gpu_memory_fraction")
     opts = BenchOptions(
         model=o["model"], load_format=o["load_format"], dtype=o["dtype"], device=o["device"], config=o["config"],
-        engine_overrides={k: o[k] for k in engine_keys if o[k] is not None},
+        engine_overrides={**{k: o[k] for k in engine_keys if o[k] is not None},
+                          **({"tensor_parallel_size": o["tp_size"]} if o["tp_size"] is not None else {})},
         concurrency=_int_list(o["concurrency"], "--concurrency"),
         num_requests=_int_list(o["num_requests"], "--num-requests") if o["num_requests"] else None,
         duration_s=o["duration"], warmup=o["warmup"], input_len=o["input_len"], output_len=o["output_len"],

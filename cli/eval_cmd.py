@@ -72,6 +72,9 @@ def eval_command(
                                       "win. kv_cache_config.cross_kv_cache_fraction defaults to 0.5.")] = None,
     dtype: Annotated[OptStr, _engine("auto, float32, float16 or bfloat16 (the reference uses the same).")] = None,
     device: Annotated[OptStr, _engine("auto, cpu, cuda or cuda:N.")] = None,
+    tp_size: Annotated[OptInt, typer.Option("--tp-size", "--tp_size", rich_help_panel="Engine",
+                                            help="Tensor-parallel GPUs (tensor_parallel_size); the attention "
+                                                 "head counts must divide by it.")] = None,
     load_format: Annotated[OptStr, _engine("auto, or dummy (random weights; needs --reference none).")] = None,
     max_tokens: Annotated[OptInt, _engine("Most output tokens per row (default 128 text, 224 Whisper).")] = None,
     batch_size: Annotated[OptInt, _engine("transformers' batch size and the engine's max_batch_size "
@@ -106,7 +109,7 @@ def _options(o: dict):
         thresholds={k: o[k] for k in ("min_parity", "min_bleu", "max_wer", "min_rouge") if o[k] is not None},
         config=o["config"],
         engine_overrides={"dtype": o["dtype"], "device": o["device"], "load_format": o["load_format"],
-                          "max_batch_size": o["batch_size"]},
+                          "max_batch_size": o["batch_size"], "tensor_parallel_size": o["tp_size"]},
         report_json=o["report_json"], save_outputs=o["save_outputs"], command=command_line(o["ctx"], "eval"))
 
 

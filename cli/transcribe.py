@@ -85,6 +85,8 @@ def transcribe(
     load_format: Annotated[OptStr, _opt("auto (the checkpoint's weights) or dummy (random, for timing).", E)] = None,
     dtype: Annotated[OptStr, _opt("auto, float32, float16 or bfloat16.", E)] = None,
     device: Annotated[OptStr, _opt("auto, cpu, cuda or cuda:N.", E)] = None,
+    tp_size: Annotated[Optional[int], _opt("Tensor-parallel GPUs (tensor_parallel_size); the attention head "
+                                           "counts must divide by it.", E, "--tp-size", "--tp_size")] = None,
 ) -> None:
     options = dict(locals())
     from .common import run_command
@@ -129,6 +131,8 @@ def _llm_args(o: dict):
     from enc2dec.engine.whisper_tokens import id_only_tokenizer_for
 
     overrides = {k: o[k] for k in ("load_format", "dtype", "device") if o[k] is not None}
+    if o["tp_size"] is not None:
+        overrides["tensor_parallel_size"] = o["tp_size"]
     try:
         args = (LlmArgs.from_yaml(o["config"], model=o["model"], **overrides) if o["config"]
                 else LlmArgs.from_dict({}, model=o["model"], **overrides))

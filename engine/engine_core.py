@@ -19,6 +19,7 @@ from .batch import SchedulerOutput
 from .beam_search import BeamState, Hypothesis
 from .config import LlmArgs
 from .detokenizer import IncrementalDetokenizer
+from .distributed import TensorParallelError
 from .input_processor import InputProcessor, ProcessedInput
 from .model_runner import ModelRunner
 from .model_source import resolve_model
@@ -122,8 +123,13 @@ class EngineCore:
         attn = _resolve_attn_backend(args.attn_backend, self.device)
         torch.manual_seed(args.seed)
         t0 = time.perf_counter()
-        self.runner = ModelRunner(args, src.hf_config, src.path, self.device, self.dtype, attn, max_input_len,
-                                  src.feature_extractor)
+        if args.tensor_parallel_size > 1:
+            from .tensor_parallel import start_tensor_parallel
+
+            self.runner = start_tensor_parallel(args, src, self.device, self.dtype, attn, max_input_len)
+        else:
+            self.runner = ModelRunner(args, src.hf_config, src.path, self.device, self.dtype, attn, max_input_len,
+                                      src.feature_extractor)
         self.processor.log_mel = self.runner.log_mel
         plan = self.runner.kv_plan
         logger.info("loaded %s (%s, %s, attention=%s) in %.1f s; KV: %s", args.model, self.device,
@@ -196,6 +202,8 @@ class EngineCore:
         if not so.is_empty:
             try:
                 launched = (so, self.runner.launch(so))
+            except TensorParallelError:
+                raise                               # the ranks cannot run another step together
             except Exception as e:  # noqa: BLE001 - fail this step's requests, keep serving the rest
                 logger.exception("engine step failed")
                 return self._resolve_inflight() + self._fail_step(so, f"engine error: {type(e).__name__}: {e}")
@@ -222,6 +230,8 @@ class EngineCore:
     def _finish_step(self, so: SchedulerOutput, pending, apply) -> list[RequestOutput]:
         try:
             ro = pending.wait()
+        except TensorParallelError:
+            raise
         except Exception as e:  # noqa: BLE001 - an asynchronous device error surfaces here
             logger.exception("engine step failed")
             return self._fail_step(so, f"engine error: {type(e).__name__}: {e}")
@@ -299,6 +309,8 @@ class EngineCore:
     def shutdown(self) -> None:
         for rid in list(self._live):
             self.abort(rid, "engine shut down")
-        self.runner = None
+        runner, self.runner = self.runner, None
+        if hasattr(runner, "shutdown"):             # tensor parallel: stops the worker processes
+            runner.shutdown()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -5,8 +5,9 @@ library GEMM reaches a fraction of the memory bandwidth, and ``kernels.skinny_li
 streams the weights instead. ``use_skinny_linear(model)`` rebinds the ``forward`` of every
 plain ``nn.Linear`` (fused ``MergedLinear`` included) so calls with at most
 ``MAX_ROWS`` rows take the kernel and larger ones (encoder batches, prompt steps) keep
-``F.linear``. Subclasses that do more than a matmul (tensor-parallel row layers that
-all-reduce) are left alone. ``ENC2DEC_SKINNY_GEMM=0`` turns it off (ablation).
+``F.linear``. Tensor-parallel row layers keep their all-reduce: only their local product
+(``RowParallelLinear.matmul``) is swapped; other subclasses are left alone.
+``ENC2DEC_SKINNY_GEMM=0`` turns it off (ablation).
 """
 from __future__ import annotations
 
@@ -18,17 +19,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from enc2dec.engine.models.layers import MergedLinear
+from enc2dec.engine.models.layers import MergedLinear, RowParallelLinear
 
 logger = logging.getLogger("enc2dec")
 
 
-def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` that sends skinny inputs to the GEMV kernel."""
     from enc2dec.kernels.skinny_gemm import MAX_ROWS, skinny_linear
 
     if x.shape[-1] and x.numel() // x.shape[-1] <= MAX_ROWS:
-        return skinny_linear(x, self.weight, self.bias)
-    return F.linear(x, self.weight, self.bias)
+        return skinny_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return linear(x, self.weight, self.bias)
 
 
 def skinny_linear_enabled(device: torch.device, backend_name: str) -> bool:
@@ -42,6 +48,9 @@ def use_skinny_linear(model: nn.Module) -> int:
     for module in model.modules():
         if type(module) in (nn.Linear, MergedLinear):
             module.forward = types.MethodType(_forward, module)
+            count += 1
+        elif type(module) is RowParallelLinear:
+            module.matmul = linear
             count += 1
     logger.info("skinny GEMV kernel on %d linear layers for steps of <= 16 rows", count)
     return count

@@ -133,7 +133,8 @@ class LLM:
             "model": self.args.model, "model_type": core.hf_config.model_type,
             "dtype": str(core.dtype).replace("torch.", ""), "device": str(core.device),
             "attn_backend": core.runner.backend.name, "cuda_graphs": core.runner.graphs is not None,
-            "overlap_scheduler": core.overlap, "vocab_size": proc.vocab_size,
+            "overlap_scheduler": core.overlap, "tensor_parallel_size": self.args.tensor_parallel_size,
+            "vocab_size": proc.vocab_size,
             "max_input_len": proc.max_input_len, "eos_token_ids": list(proc.eos_token_ids),
             "decoder_start_token_id": proc.decoder_start_token_id,
             "forced_bos_token_id": proc.forced_bos_token_id,
@@ -182,6 +183,8 @@ class LLM:
                 raise ValueError(f"prompt {i}: {e}" if not single else str(e)) from None
         handles = [self._submit(t) for t in tracked]
         results = self._wait_all(handles, use_tqdm and len(handles) > 1)
+        if self._error is not None:      # the engine died under these requests (e.g. a TP worker did)
+            raise RuntimeError(str(self._error)) from self._error
         return results[0] if single else results
 
     def generate_async(self, inputs, sampling_params: SamplingParams | None = None,

@@ -11,11 +11,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import zlib
 from typing import Iterator
 
 import torch
 from torch import nn
 
+from enc2dec.engine.distributed import SINGLE, TensorParallelGroup
 from enc2dec.engine.models import get_model_class
 from enc2dec.engine.models.layers import RMSNorm
 
@@ -29,9 +31,10 @@ _WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors",
 
 
 def load_model(model_dir_or_config, hf_config=None, backend=None, dtype: torch.dtype = torch.float32,
-               device="cpu", load_format: str = "auto") -> nn.Module:
+               device="cpu", load_format: str = "auto", tp: TensorParallelGroup = SINGLE) -> nn.Module:
     """``model_dir_or_config``: a checkpoint folder, or (dummy only) a config / None.
-    ``hf_config`` defaults to the folder's config.json or the config passed first."""
+    ``hf_config`` defaults to the folder's config.json or the config passed first.
+    With ``tp`` of size > 1 the model is this rank's shard."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format={load_format!r} is not supported; valid: {', '.join(LOAD_FORMATS)}")
     model_dir = None
@@ -56,7 +59,7 @@ def load_model(model_dir_or_config, hf_config=None, backend=None, dtype: torch.d
 
     model_cls = get_model_class(hf_config)
     with torch.device("meta"), _default_dtype(dtype):
-        model = model_cls(hf_config, backend)
+        model = model_cls(hf_config, backend, tp)
     model = model.to_empty(device=device)
     if weight_files is None:
         init_dummy_weights(model)
@@ -111,17 +114,19 @@ def iter_checkpoint(weight_files: list[str]) -> Iterator[tuple[str, torch.Tensor
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int = DUMMY_SEED, std: float = DUMMY_STD) -> None:
     """Random but sane weights: N(0, std) for matrices and embeddings, ones for norm
-    scales, zeros for biases and buffers. Seeded, so the same model comes out every run."""
+    scales, zeros for biases and buffers. Seeded per parameter name, so the same model
+    comes out every run and tensor-parallel ranks hold identical replicated weights."""
     gen = None
-    for module in model.modules():
+    for mod_name, module in model.named_modules():
         for pname, p in module.named_parameters(recurse=False):
             if gen is None:
-                gen = torch.Generator(device=p.device).manual_seed(seed)
+                gen = torch.Generator(device=p.device)
             if isinstance(module, (nn.LayerNorm, RMSNorm)) and pname == "weight":
                 p.fill_(1.0)
             elif pname == "bias":
                 p.zero_()
             else:
+                gen.manual_seed(seed + zlib.crc32(f"{mod_name}.{pname}".encode()))
                 p.normal_(0.0, std, generator=gen)
         for b in module.buffers(recurse=False):
             b.zero_()

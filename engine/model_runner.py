@@ -13,6 +13,7 @@ import torch
 
 from .attention import DecoderMetadata, EncoderMetadata, KVCache, get_attention_backend
 from .batch import BeamCandidate, ModelRunnerOutput, SampledToken, ScheduledEncode, ScheduledSeq, SchedulerOutput
+from .distributed import SINGLE, TensorParallelGroup
 from .fast_linear import skinny_linear_enabled, use_skinny_linear
 from .host_to_device import to_device
 from .kv_sizing import kv_bytes_per_token, plan_kv_pools
@@ -57,7 +58,7 @@ def _beam_groups(seqs: list[ScheduledSeq], states: list[SeqSamplingState]):
     groups: list[BeamGroup] = []
     ids: list[tuple[str, list[int]]] = []
     for i, (s, st) in enumerate(zip(seqs, states)):
-        if not st.params.use_beam_search:
+        if st is None or not st.params.use_beam_search:     # None: a tensor-parallel worker (never samples)
             continue
         if ids and ids[-1][0] == s.request_id and groups[-1].start + groups[-1].num_rows == i:
             groups[-1] = dataclasses.replace(groups[-1], num_rows=groups[-1].num_rows + 1)
@@ -75,11 +76,15 @@ def _pad_table(tables: list[list[int]]) -> list[list[int]]:
 
 
 class ModelRunner:
+    """One rank's runner. With tensor parallelism (``tp``) every rank builds one and runs the
+    same steps in lockstep; ``tensor_parallel.py`` (driver) and ``tp_worker.py`` add what differs."""
+
     def __init__(self, args, hf_config, model_path, device: torch.device, dtype: torch.dtype,
-                 attn_backend: str, max_input_len: int, feature_extractor=None):
+                 attn_backend: str, max_input_len: int, feature_extractor=None, tp: TensorParallelGroup = SINGLE):
         self.args = args
         self.device = device
         self.dtype = dtype
+        self.tp = tp
         self.is_whisper = hf_config.model_type == "whisper"
         self.backend = get_attention_backend(attn_backend)
         self.log_mel = None
@@ -87,7 +92,7 @@ class ModelRunner:
             from .log_mel import LogMel
 
             self.log_mel = LogMel(feature_extractor, device)
-        self.model = load_model(model_path, hf_config, self.backend, dtype, device, args.load_format)
+        self.model = load_model(model_path, hf_config, self.backend, dtype, device, args.load_format, tp)
         if skinny_linear_enabled(device, self.backend.name):
             use_skinny_linear(self.model)
         self.tokens_per_block = args.kv_cache_config.tokens_per_block
@@ -135,6 +140,7 @@ class ModelRunner:
             budget = int(kvc.max_cpu_memory_bytes)
         if kvc.max_tokens is not None:
             budget = min(budget, kvc.max_tokens * per_token)
+        budget = self.tp.min_int(budget, self.device)      # every rank the same pools: block ids are shared
         return plan_kv_pools(budget, kvc.cross_kv_cache_fraction, self.tokens_per_block, per_token)
 
     # ---- per step -------------------------------------------------------------------------

@@ -296,17 +296,19 @@ def test_use_skinny_linear_rebinds_plain_linears_only():
     from torch import nn
 
     from enc2dec.engine.fast_linear import use_skinny_linear
-    from enc2dec.engine.models.layers import MergedLinear
+    from enc2dec.engine.models.layers import MergedLinear, RowParallelLinear
 
-    class AllReduceLinear(nn.Linear):       # stands for a layer whose forward does more than a matmul
+    class OtherLinear(nn.Linear):           # stands for a subclass whose forward does more than a matmul
         pass
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(40, 24), MergedLinear(24, 8, 2, bias=True), AllReduceLinear(16, 4)).to(DEVICE)
+    model = nn.Sequential(nn.Linear(40, 24), MergedLinear(24, 8, 2, bias=True), RowParallelLinear(16, 12, True),
+                          OtherLinear(12, 4)).to(DEVICE)
     few, many = torch.randn(3, 40).to(DEVICE), torch.randn(40, 40).to(DEVICE)
     expected = [model(few), model(many)]
-    assert use_skinny_linear(model) == 2
-    assert "forward" in vars(model[0]) and "forward" in vars(model[1]) and "forward" not in vars(model[2])
+    assert use_skinny_linear(model) == 3
+    assert "forward" in vars(model[0]) and "forward" in vars(model[1]) and "forward" not in vars(model[3])
+    assert model[2].matmul is not torch.nn.functional.linear
     for x, e in zip((few, many), expected):
         assert_close(model(x), e, torch.float32)
 

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from enc2dec.engine.attention import DecoderMetadata, EncoderMetadata, KVCache, LayerKV
+from enc2dec.engine.distributed import SINGLE, TensorParallelGroup
 from enc2dec.engine.models.base import EncoderDecoderLM
 from enc2dec.engine.models.layers import CrossAttention, DenseMLP, LayerNorm, SelfAttention
 
@@ -55,12 +56,14 @@ class _Sublayers(nn.Module):
 
 
 class BartEncoderLayer(_Sublayers):
-    def __init__(self, d: int, heads: int, ffn: int, act: str, pre_norm: bool, backend, k_bias: bool = True):
+    def __init__(self, d: int, heads: int, ffn: int, act: str, pre_norm: bool, backend, k_bias: bool = True,
+                 tp: TensorParallelGroup = SINGLE):
         super().__init__(pre_norm)
         scale = (d // heads) ** -0.5
-        self.self_attn = SelfAttention(d, heads, d // heads, bias=True, scale=scale, backend=backend, k_bias=k_bias)
+        self.self_attn = SelfAttention(d, heads, d // heads, bias=True, scale=scale, backend=backend, k_bias=k_bias,
+                                       tp=tp)
         self.self_attn_layer_norm = LayerNorm(d)
-        self.mlp = DenseMLP(d, ffn, act, bias=True)
+        self.mlp = DenseMLP(d, ffn, act, bias=True, tp=tp)
         self.final_layer_norm = LayerNorm(d)
 
     def forward(self, h: torch.Tensor, meta: EncoderMetadata, delta: torch.Tensor | None = None):
@@ -69,15 +72,17 @@ class BartEncoderLayer(_Sublayers):
 
 
 class BartDecoderLayer(_Sublayers):
-    def __init__(self, d: int, heads: int, ffn: int, act: str, pre_norm: bool, backend, k_bias: bool = True):
+    def __init__(self, d: int, heads: int, ffn: int, act: str, pre_norm: bool, backend, k_bias: bool = True,
+                 tp: TensorParallelGroup = SINGLE):
         super().__init__(pre_norm)
         scale = (d // heads) ** -0.5
-        self.self_attn = SelfAttention(d, heads, d // heads, bias=True, scale=scale, backend=backend, k_bias=k_bias)
+        self.self_attn = SelfAttention(d, heads, d // heads, bias=True, scale=scale, backend=backend, k_bias=k_bias,
+                                       tp=tp)
         self.self_attn_layer_norm = LayerNorm(d)
         self.encoder_attn = CrossAttention(d, heads, d // heads, bias=True, scale=scale, backend=backend,
-                                           k_bias=k_bias)
+                                           k_bias=k_bias, tp=tp)
         self.encoder_attn_layer_norm = LayerNorm(d)
-        self.mlp = DenseMLP(d, ffn, act, bias=True)
+        self.mlp = DenseMLP(d, ffn, act, bias=True, tp=tp)
         self.final_layer_norm = LayerNorm(d)
 
     def forward(self, h: torch.Tensor, meta: DecoderMetadata, self_kv: LayerKV, cross_kv: LayerKV,
@@ -100,7 +105,7 @@ def run_layers(h: torch.Tensor, layer_calls, final_norm) -> torch.Tensor:
 
 
 class _BartStack(nn.Module):
-    def __init__(self, config, is_decoder: bool, pre_norm: bool, backend):
+    def __init__(self, config, is_decoder: bool, pre_norm: bool, backend, tp: TensorParallelGroup = SINGLE):
         super().__init__()
         d = config.d_model
         if is_decoder:
@@ -111,7 +116,7 @@ class _BartStack(nn.Module):
                                         config.encoder_ffn_dim, BartEncoderLayer)
         self.embed_positions = nn.Embedding(config.max_position_embeddings + POSITION_OFFSET, d)
         self.layernorm_embedding = LayerNorm(d)
-        self.layers = nn.ModuleList(layer_cls(d, heads, ffn, config.activation_function, pre_norm, backend)
+        self.layers = nn.ModuleList(layer_cls(d, heads, ffn, config.activation_function, pre_norm, backend, tp=tp)
                                     for _ in range(n))
         self.layer_norm = LayerNorm(d) if pre_norm else None
 
@@ -124,18 +129,19 @@ class BartForConditionalGeneration(EncoderDecoderLM):
     weight_rules = BART_STYLE_RULES
     optional_zero_tensors = ("final_logits_bias",)
 
-    def __init__(self, config, backend):
+    def __init__(self, config, backend, tp: TensorParallelGroup = SINGLE):
         super().__init__()
         self.config = config
+        self.tp = tp
         d, vocab = config.d_model, config.vocab_size
         self.embed_tokens = nn.Embedding(vocab, d)
         self.embed_scale = math.sqrt(d) if config.scale_embedding else 1.0
-        self.encoder = _BartStack(config, False, self.pre_norm, backend)
-        self.decoder = _BartStack(config, True, self.pre_norm, backend)
+        self.encoder = _BartStack(config, False, self.pre_norm, backend, tp)
+        self.decoder = _BartStack(config, True, self.pre_norm, backend, tp)
         self._init_lm_head(vocab, d, tied=config.tie_word_embeddings)
         self.register_buffer("final_logits_bias", torch.zeros(1, vocab))     # [1, vocab]
         self.num_decoder_layers = config.decoder_layers
-        self.num_decoder_heads = config.decoder_attention_heads
+        self.num_decoder_heads = tp.split(config.decoder_attention_heads, "decoder attention heads")  # per rank
         self.decoder_head_dim = d // config.decoder_attention_heads
         self.max_decoder_positions = config.max_position_embeddings
         self.max_encoder_positions = config.max_position_embeddings

@@ -4,6 +4,10 @@ and loading Hugging Face checkpoint tensors by name into fused parameters.
 A family subclass builds ``self.embed_tokens`` (the decoder's input embedding, which a
 tied LM head reuses), ``self.decoder.layers`` (each with an ``encoder_attn``
 CrossAttention) and lists its checkpoint-name rules in ``weight_rules``.
+
+Under tensor parallelism (``self.tp``) every rank reads the full checkpoint tensors and
+keeps its slice, along the dimension the owning module names in ``tp_dims``; embeddings,
+norms and the LM head have none and are replicated.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from enc2dec.engine.attention import EncoderMetadata, KVCache
+from enc2dec.engine.distributed import SINGLE
 from enc2dec.engine.models.layers import MergedLinear
 
 logger = logging.getLogger("enc2dec")
@@ -36,6 +41,7 @@ class EncoderDecoderLM(nn.Module):
     """
 
     weight_rules: list[WeightRule] = []
+    tp = SINGLE                      # a subclass built with a TensorParallelGroup sets its own
     # A tensor the checkpoint may omit, filled with zeros when absent (BART's final_logits_bias).
     optional_zero_tensors: tuple[str, ...] = ()
 
@@ -106,6 +112,9 @@ class EncoderDecoderLM(nn.Module):
             if dst is None:
                 logger.warning("checkpoint tensor %s (-> %s) is not used by %s", hf_name, name, type(self).__name__)
                 continue
+            tp_dim = self._tp_dim(name)
+            if tp_dim is not None:
+                tensor = self.tp.narrow(tensor, tp_dim)                  # this rank's heads / units
             if shard is not None:
                 dst = dst.narrow(0, shard * tensor.shape[0], tensor.shape[0])
             if dst.shape != tensor.shape:
@@ -123,6 +132,11 @@ class EncoderDecoderLM(nn.Module):
             return None
         t = getattr(module, attr, None)
         return t if isinstance(t, torch.Tensor) else None
+
+    def _tp_dim(self, name: str) -> int | None:
+        module_name, _, attr = name.rpartition(".")
+        module = self.get_submodule(module_name) if module_name else self
+        return getattr(module, "tp_dims", {}).get(attr)
 
     def _finish_loading(self, loaded: set[tuple[str, int]]) -> None:
         if self.lm_head is not None and ("lm_head.weight", 0) not in loaded:

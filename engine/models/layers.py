@@ -4,6 +4,12 @@ attention modules that send every attention call through the backend.
 Projections that read the same input are fused into one ``MergedLinear`` (q|k|v for
 self-attention, k|v for cross-attention, gate|up for gated MLPs): one GEMM instead of
 two or three per layer, which is what decode steps at small batch are bound by.
+
+Tensor parallelism (``tp``, a ``TensorParallelGroup``; size 1 changes nothing): the
+projections into a block are column-parallel (each rank computes its own heads or
+intermediate units, fused shards split per rank), the projection out of it is
+row-parallel (partial sums, one all-reduce per block). ``tp_dims`` tells the loader which
+dimension of a checkpoint tensor to slice for this rank.
 """
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from enc2dec.engine.attention import DecoderMetadata, EncoderMetadata, LayerKV
+from enc2dec.engine.distributed import SINGLE, TensorParallelGroup
 from enc2dec.kernels.activations import gated_gelu
 from enc2dec.kernels.norms import fused_add_layer_norm, fused_add_rms_norm
 
@@ -88,23 +95,50 @@ class LayerNorm(nn.LayerNorm):
 
 class MergedLinear(nn.Linear):
     """Several same-shaped projections stacked on the output dim; shard ``i`` is rows
-    ``[i * out_per_shard, (i + 1) * out_per_shard)``. ``zero_bias_shards`` lists shards
-    whose bias does not exist in the checkpoint (Whisper's k_proj): they stay zero."""
+    ``[i * out_per_shard, (i + 1) * out_per_shard)`` (local rows: each rank holds its own
+    part of every shard). ``zero_bias_shards`` lists shards whose bias does not exist in
+    the checkpoint (Whisper's k_proj): they stay zero. One shard = a column-parallel linear."""
+
+    tp_dims = {"weight": 0, "bias": 0}
 
     def __init__(self, in_features: int, out_per_shard: int, num_shards: int, bias: bool,
-                 zero_bias_shards: tuple[int, ...] = ()):
-        super().__init__(in_features, out_per_shard * num_shards, bias=bias)
+                 zero_bias_shards: tuple[int, ...] = (), tp: TensorParallelGroup = SINGLE):
+        super().__init__(in_features, tp.split(out_per_shard, "projection size") * num_shards, bias=bias)
         self.num_shards = num_shards
         self.zero_bias_shards = zero_bias_shards
+
+
+def column_linear(in_features: int, out_features: int, bias: bool, tp: TensorParallelGroup = SINGLE):
+    """A projection into a block: output features split across ranks."""
+    return MergedLinear(in_features, out_features, 1, bias, tp=tp)
+
+
+class RowParallelLinear(nn.Linear):
+    """A projection out of a block: input features split across ranks, the partial
+    products summed with one all-reduce, the bias added once after it."""
+
+    tp_dims = {"weight": 1}
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallelGroup = SINGLE):
+        super().__init__(tp.split(in_features, "projection size"), out_features, bias=bias)
+        self.tp = tp
+        self.matmul = F.linear          # the local product; engine/fast_linear.py may swap it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return self.matmul(x, self.weight, self.bias)
+        y = self.tp.all_reduce_(self.matmul(x, self.weight, None))    # [T, out_features]
+        return y if self.bias is None else y + self.bias
 
 
 class DenseMLP(nn.Module):
     """fc1 -> act -> fc2 (T5 v1.0 relu without bias; BART/Whisper with bias)."""
 
-    def __init__(self, d_model: int, d_ff: int, act: str, bias: bool, option: str = "activation_function"):
+    def __init__(self, d_model: int, d_ff: int, act: str, bias: bool, option: str = "activation_function",
+                 tp: TensorParallelGroup = SINGLE):
         super().__init__()
-        self.fc1 = nn.Linear(d_model, d_ff, bias=bias)
-        self.fc2 = nn.Linear(d_ff, d_model, bias=bias)
+        self.fc1 = column_linear(d_model, d_ff, bias, tp)
+        self.fc2 = RowParallelLinear(d_ff, d_model, bias, tp)
         self.act = get_activation(act, option)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -114,17 +148,18 @@ class DenseMLP(nn.Module):
 class GatedMLP(nn.Module):
     """act(gate(x)) * up(x) -> fc2, gate and up fused (T5 v1.1 / Flan gated-gelu)."""
 
-    def __init__(self, d_model: int, d_ff: int, act: str, option: str = "feed_forward_proj"):
+    def __init__(self, d_model: int, d_ff: int, act: str, option: str = "feed_forward_proj",
+                 tp: TensorParallelGroup = SINGLE):
         super().__init__()
-        self.gate_up = MergedLinear(d_model, d_ff, 2, bias=False)
-        self.fc2 = nn.Linear(d_ff, d_model, bias=False)
+        self.gate_up = MergedLinear(d_model, d_ff, 2, bias=False, tp=tp)
+        self.fc2 = RowParallelLinear(d_ff, d_model, False, tp)
         self.act = get_activation(act, option)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up(x)                                # [T, 2 * d_ff]
+        gate_up = self.gate_up(x)                                # [T, 2 * d_ff / tp]
         if gate_up.is_cuda and self.act is _gelu_tanh:
             return self.fc2(gated_gelu(gate_up, approximate="tanh"))   # one fused kernel
-        gate, up = gate_up.chunk(2, dim=-1)                      # [T, d_ff] each
+        gate, up = gate_up.chunk(2, dim=-1)                      # [T, d_ff / tp] each
         return self.fc2(self.act(gate) * up)
 
 
@@ -133,13 +168,14 @@ class SelfAttention(nn.Module):
     ``decode`` writes the new K/V into the paged cache, then attends causally."""
 
     def __init__(self, d_model: int, num_heads: int, head_dim: int, bias: bool, scale: float,
-                 backend, k_bias: bool = True):
+                 backend, k_bias: bool = True, tp: TensorParallelGroup = SINGLE):
         super().__init__()
-        self.num_heads, self.head_dim, self.scale = num_heads, head_dim, scale
+        self.num_heads = tp.split(num_heads, "attention heads")                 # this rank's heads
+        self.head_dim, self.scale = head_dim, scale
         self.backend = backend
         inner = num_heads * head_dim
-        self.qkv = MergedLinear(d_model, inner, 3, bias, zero_bias_shards=() if k_bias else (1,))
-        self.out_proj = nn.Linear(inner, d_model, bias=bias)
+        self.qkv = MergedLinear(d_model, inner, 3, bias, zero_bias_shards=() if k_bias else (1,), tp=tp)
+        self.out_proj = RowParallelLinear(inner, d_model, bias, tp)
 
     def _split_qkv(self, x: torch.Tensor):
         qkv = self.qkv(x).view(x.shape[0], 3, self.num_heads, self.head_dim)   # [T, 3, H, D]
@@ -163,14 +199,15 @@ class CrossAttention(nn.Module):
     (fused k|v) into the cross pool at admission."""
 
     def __init__(self, d_model: int, num_heads: int, head_dim: int, bias: bool, scale: float,
-                 backend, k_bias: bool = True):
+                 backend, k_bias: bool = True, tp: TensorParallelGroup = SINGLE):
         super().__init__()
-        self.num_heads, self.head_dim, self.scale = num_heads, head_dim, scale
+        self.num_heads = tp.split(num_heads, "cross-attention heads")           # this rank's heads
+        self.head_dim, self.scale = head_dim, scale
         self.backend = backend
         inner = num_heads * head_dim
-        self.q_proj = nn.Linear(d_model, inner, bias=bias)
-        self.kv = MergedLinear(d_model, inner, 2, bias, zero_bias_shards=() if k_bias else (0,))
-        self.out_proj = nn.Linear(inner, d_model, bias=bias)
+        self.q_proj = column_linear(d_model, inner, bias, tp)
+        self.kv = MergedLinear(d_model, inner, 2, bias, zero_bias_shards=() if k_bias else (0,), tp=tp)
+        self.out_proj = RowParallelLinear(inner, d_model, bias, tp)
 
     def write_kv(self, enc_hidden: torch.Tensor, slot_mapping: torch.Tensor, kv: LayerKV) -> None:
         k, v = self.kv(enc_hidden).view(enc_hidden.shape[0], 2, self.num_heads, self.head_dim).unbind(1)

@@ -5,6 +5,7 @@ T5 has no absolute positions: each stack owns one relative-position bias embeddi
 (the checkpoint keeps it in block 0) that the model turns into a per-head table once per
 call and hands to the backend, which indexes it by key/query distance. T5 attention is
 not scaled (scale = 1.0): the 1/sqrt(d) is folded into the initialisation of q.
+With tensor parallelism the bias embedding is split by heads like the attention it feeds.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from enc2dec.engine.attention import DecoderMetadata, EncoderMetadata, KVCache, LayerKV
+from enc2dec.engine.distributed import SINGLE, TensorParallelGroup
 from enc2dec.engine.models.base import EncoderDecoderLM
 from enc2dec.engine.models.layers import CrossAttention, DenseMLP, GatedMLP, RMSNorm, SelfAttention
 
@@ -44,20 +46,26 @@ def relative_position_bucket(rel: torch.Tensor, bidirectional: bool, num_buckets
     return buckets + torch.where(dist < max_exact, dist, large)
 
 
+class RelativeBias(nn.Embedding):
+    """[num_buckets, heads]; a rank keeps the columns of its own heads."""
+
+    tp_dims = {"weight": 1}
+
+
 class T5Layer(nn.Module):
-    def __init__(self, config, is_decoder: bool, backend):
+    def __init__(self, config, is_decoder: bool, backend, tp: TensorParallelGroup = SINGLE):
         super().__init__()
         d, heads, d_kv, eps = config.d_model, config.num_heads, config.d_kv, config.layer_norm_epsilon
         self.self_attn_norm = RMSNorm(d, eps)
-        self.self_attn = SelfAttention(d, heads, d_kv, bias=False, scale=1.0, backend=backend)
+        self.self_attn = SelfAttention(d, heads, d_kv, bias=False, scale=1.0, backend=backend, tp=tp)
         if is_decoder:
             self.encoder_attn_norm = RMSNorm(d, eps)
-            self.encoder_attn = CrossAttention(d, heads, d_kv, bias=False, scale=1.0, backend=backend)
+            self.encoder_attn = CrossAttention(d, heads, d_kv, bias=False, scale=1.0, backend=backend, tp=tp)
         self.mlp_norm = RMSNorm(d, eps)
         if config.is_gated_act:
-            self.mlp = GatedMLP(d, config.d_ff, config.dense_act_fn, option="feed_forward_proj")
+            self.mlp = GatedMLP(d, config.d_ff, config.dense_act_fn, option="feed_forward_proj", tp=tp)
         else:
-            self.mlp = DenseMLP(d, config.d_ff, config.dense_act_fn, bias=False, option="feed_forward_proj")
+            self.mlp = DenseMLP(d, config.d_ff, config.dense_act_fn, bias=False, option="feed_forward_proj", tp=tp)
 
     # Both directions return ``(delta, h)`` with ``h + delta`` the layer's output: the last
     # residual add rides in the next layer's first norm (or the final norm) kernel.
@@ -75,13 +83,13 @@ class T5Layer(nn.Module):
 
 
 class T5Stack(nn.Module):
-    def __init__(self, config, num_layers: int, is_decoder: bool, backend):
+    def __init__(self, config, num_layers: int, is_decoder: bool, backend, tp: TensorParallelGroup = SINGLE):
         super().__init__()
         self.is_decoder = is_decoder
         self.num_buckets = config.relative_attention_num_buckets
         self.max_distance = config.relative_attention_max_distance
-        self.rel_bias = nn.Embedding(self.num_buckets, config.num_heads)
-        self.layers = nn.ModuleList(T5Layer(config, is_decoder, backend) for _ in range(num_layers))
+        self.rel_bias = RelativeBias(self.num_buckets, tp.split(config.num_heads, "attention heads"))
+        self.layers = nn.ModuleList(T5Layer(config, is_decoder, backend, tp) for _ in range(num_layers))
         self.final_norm = RMSNorm(config.d_model, config.layer_norm_epsilon)
         self._tables: list[tuple[tuple, int, torch.Tensor]] = []   # (weight key, length, table)
 
@@ -131,19 +139,20 @@ class T5ForConditionalGeneration(EncoderDecoderLM):
         (r"(encoder|decoder)\.final_layer_norm\.weight", r"\1.final_norm.weight", None),
     ]
 
-    def __init__(self, config, backend):
+    def __init__(self, config, backend, tp: TensorParallelGroup = SINGLE):
         super().__init__()
         self.config = config
+        self.tp = tp
         d = config.d_model
         self.embed_tokens = nn.Embedding(config.vocab_size, d)
-        self.encoder = T5Stack(config, config.num_layers, False, backend)
-        self.decoder = T5Stack(config, config.num_decoder_layers, True, backend)
+        self.encoder = T5Stack(config, config.num_layers, False, backend, tp)
+        self.decoder = T5Stack(config, config.num_decoder_layers, True, backend, tp)
         # transformers >= 5 forces tie_word_embeddings=True on T5 and keeps the checkpoint's
         # own flag as scale_decoder_outputs; older versions have only tie_word_embeddings.
         tied = bool(getattr(config, "scale_decoder_outputs", config.tie_word_embeddings))
         self._init_lm_head(config.vocab_size, d, tied=tied, logits_scale=d ** -0.5 if tied else 1.0)
         self.num_decoder_layers = config.num_decoder_layers
-        self.num_decoder_heads = config.num_heads
+        self.num_decoder_heads = tp.split(config.num_heads, "attention heads")  # per rank
         self.decoder_head_dim = config.d_kv
         self.max_decoder_positions = None
         self.max_encoder_positions = None

@@ -1,7 +1,8 @@
 """Whisper: a log-mel encoder (two gelu convolutions, the second with stride 2, so 3000
 frames become 1500 positions, plus the checkpoint's sinusoidal position table) and a text
 decoder with learned positions. Layers are pre-norm BART layers whose k_proj has no
-bias; the LM head is tied to the decoder embedding.
+bias; the LM head is tied to the decoder embedding. Under tensor parallelism the
+convolutions are replicated (a few percent of the encoder's FLOPs, once per request).
 """
 from __future__ import annotations
 
@@ -12,13 +13,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from enc2dec.engine.attention import DecoderMetadata, EncoderMetadata, KVCache
+from enc2dec.engine.distributed import SINGLE, TensorParallelGroup
 from enc2dec.engine.models.bart import BART_STYLE_RULES, BartDecoderLayer, BartEncoderLayer, run_layers
 from enc2dec.engine.models.base import EncoderDecoderLM
 from enc2dec.engine.models.layers import LayerNorm
 
 
 class WhisperEncoder(nn.Module):
-    def __init__(self, config, backend):
+    def __init__(self, config, backend, tp: TensorParallelGroup = SINGLE):
         super().__init__()
         d = config.d_model
         self.conv1 = nn.Conv1d(config.num_mel_bins, d, kernel_size=3, padding=1)
@@ -26,19 +28,19 @@ class WhisperEncoder(nn.Module):
         self.embed_positions = nn.Embedding(config.max_source_positions, d)
         self.layers = nn.ModuleList(
             BartEncoderLayer(d, config.encoder_attention_heads, config.encoder_ffn_dim, config.activation_function,
-                             pre_norm=True, backend=backend, k_bias=False)
+                             pre_norm=True, backend=backend, k_bias=False, tp=tp)
             for _ in range(config.encoder_layers))
         self.layer_norm = LayerNorm(d)
 
 
 class WhisperDecoder(nn.Module):
-    def __init__(self, config, backend):
+    def __init__(self, config, backend, tp: TensorParallelGroup = SINGLE):
         super().__init__()
         d = config.d_model
         self.embed_positions = nn.Embedding(config.max_target_positions, d)
         self.layers = nn.ModuleList(
             BartDecoderLayer(d, config.decoder_attention_heads, config.decoder_ffn_dim, config.activation_function,
-                             pre_norm=True, backend=backend, k_bias=False)
+                             pre_norm=True, backend=backend, k_bias=False, tp=tp)
             for _ in range(config.decoder_layers))
         self.layer_norm = LayerNorm(d)
 
@@ -46,16 +48,17 @@ class WhisperDecoder(nn.Module):
 class WhisperForConditionalGeneration(EncoderDecoderLM):
     weight_rules = BART_STYLE_RULES
 
-    def __init__(self, config, backend):
+    def __init__(self, config, backend, tp: TensorParallelGroup = SINGLE):
         super().__init__()
         self.config = config
+        self.tp = tp
         d = config.d_model
         self.embed_tokens = nn.Embedding(config.vocab_size, d)
-        self.encoder = WhisperEncoder(config, backend)
-        self.decoder = WhisperDecoder(config, backend)
+        self.encoder = WhisperEncoder(config, backend, tp)
+        self.decoder = WhisperDecoder(config, backend, tp)
         self._init_lm_head(config.vocab_size, d, tied=config.tie_word_embeddings)
         self.num_decoder_layers = config.decoder_layers
-        self.num_decoder_heads = config.decoder_attention_heads
+        self.num_decoder_heads = tp.split(config.decoder_attention_heads, "decoder attention heads")  # per rank
         self.decoder_head_dim = d // config.decoder_attention_heads
         self.max_decoder_positions = config.max_target_positions
         self.max_encoder_positions = config.max_source_positions
