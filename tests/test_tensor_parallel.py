@@ -221,3 +221,19 @@ def test_bench_runs_with_tp_size_2(t5_relu, tmp_path):
     rep = json.loads(report.read_text())
     assert rep["engine_args"]["tensor_parallel_size"] == 2 and "--tp-size 2" in rep["command"]
     assert all(lv["output_tokens"] == 2 * 4 for lv in rep["levels"])
+
+
+def test_tp2_beam_search_equals_tp1(bart):
+    """Beam forks (block copies, host-resolved beam tokens) reach the worker rank too."""
+    params = SamplingParams(max_tokens=MAX_TOKENS, use_beam_search=True, best_of=3, n=3, temperature=0.0)
+
+    def run(tp):
+        with LLM(bart, dtype="float32", max_batch_size=12, max_beam_width=3, kv_cache_config=KV,
+                 tensor_parallel_size=tp) as llm:
+            return [o.outputs for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+    single, sharded = run(1), run(2)
+    assert all(len(hyps) == 3 for hyps in single)
+    assert [[c.token_ids for c in h] for h in sharded] == [[c.token_ids for c in h] for h in single]
+    for h1, h2 in zip(single, sharded):
+        assert [c.cumulative_logprob for c in h2] == pytest.approx([c.cumulative_logprob for c in h1], abs=1e-4)
