@@ -60,7 +60,7 @@ for section in $SECTIONS; do
   case $section in
   tests)
     timeout ${TEST_LIMIT_S:-240} python -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_engine.py \
-        tests/test_kernels_gpu.py tests/test_kernels.py $(ls tests/test_*gpu*.py | grep -v -e test_gpu_engine -e test_kernels_gpu) \
+        tests/test_kernels_gpu.py tests/test_kernels.py $(ls tests/test_*gpu*.py | grep -v -e test_gpu_engine -e test_kernels_gpu -e test_tp_gpu) \
         >"$WORK/gpu_tests.log" 2>&1
     echo "exit $?"; grep -E "passed|failed" "$WORK/gpu_tests.log" | tail -1
     grep -E "^FAILED|^ERROR" "$WORK/gpu_tests.log" | head -8 ;;

@@ -7,18 +7,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OUT=$(realpath -m "${OUT:-./tp-out}"); mkdir -p "$OUT"
-# Run the committed tree only (work in progress beside it stays out of the measurement).
-if git rev-parse --verify -q HEAD >/dev/null; then
-  git rev-parse --short HEAD | tee "$OUT/commit.txt"
-  rm -rf /tmp/enc2dec-src && mkdir -p /tmp/enc2dec-src && git archive HEAD | tar -x -C /tmp/enc2dec-src
-  cd /tmp/enc2dec-src
-fi
 # NVLink multicast off for us and the worker processes (the engine sets it too).
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 HF_HUB_OFFLINE=1
-python -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || tail -3 "$OUT/install.log"
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
-} | tee "$OUT/machine.txt"
+python -c "import enc2dec.cli.main" 2>/dev/null ||
+  python -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || tail -3 "$OUT/install.log"
+python -c "import torch; print('gpus', torch.cuda.device_count())" | tee "$OUT/tp-machine.txt"
 echo "== pytest -m gpu tests/test_tp_gpu.py"
 timeout ${TEST_LIMIT_S:-180} python -m pytest -m gpu -q -p no:cacheprovider tests/test_tp_gpu.py >"$OUT/tp_tests.log" 2>&1
 echo "exit $?"; grep -E "passed|failed|skipped" "$OUT/tp_tests.log" | tail -1; grep -E "^FAILED|^ERROR" "$OUT/tp_tests.log" | head -8
