@@ -96,7 +96,7 @@ class ModelRunner:
         if skinny_linear_enabled(device, self.backend.name):
             use_skinny_linear(self.model)
         self.tokens_per_block = args.kv_cache_config.tokens_per_block
-        self.kv_plan = self._plan_kv()
+        self.kv_plan = self._plan_kv(self._profile_encoder_activations(max_input_len))
         self.kv = KVCache.allocate(self.model.num_decoder_layers, self.model.num_decoder_heads,
                                    self.model.decoder_head_dim, self.tokens_per_block,
                                    self.kv_plan.num_self_blocks, self.kv_plan.num_cross_blocks, dtype, device)
@@ -128,14 +128,53 @@ class ModelRunner:
         return runner
 
     # ---- start-up -------------------------------------------------------------------------
-    def _plan_kv(self):
+    def _profile_encoder_activations(self, max_input_len: int) -> int:
+        """Peak bytes the largest admissible encoder microbatch allocates, measured by running
+        one on dummy inputs before the KV pools take their share (0 off the GPU, or if the
+        run fails: then the pools are sized from free memory alone, with a warning)."""
+        if self.device.type != "cuda":
+            return 0
+        a = self.args
+        tokens = min(a.encoder_max_num_tokens or a.max_num_tokens, a.max_num_tokens)
+        batch = max(1, min(a.encoder_max_batch_size or a.max_batch_size, tokens // max_input_len))
+        dev = self.device
+        try:
+            torch.cuda.synchronize(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+            base = torch.cuda.memory_allocated(dev)
+            with torch.no_grad():
+                lens = [max_input_len] * batch
+                meta = EncoderMetadata(
+                    cu_seqlens=torch.arange(0, (batch + 1) * max_input_len, max_input_len, dtype=torch.int32,
+                                            device=dev),
+                    seq_lens=lens, positions=None if self.is_whisper else
+                    torch.arange(max_input_len, device=dev).repeat(batch),
+                    cross_slot_mapping=torch.empty(0, dtype=torch.long, device=dev))
+                if self.is_whisper:
+                    cfg = self.model.config
+                    inputs = torch.zeros(batch, cfg.num_mel_bins, 2 * max_input_len, dtype=self.dtype, device=dev)
+                else:
+                    inputs = torch.zeros(batch * max_input_len, dtype=torch.long, device=dev)
+                self.model.encode(inputs, meta)
+            torch.cuda.synchronize(dev)
+            peak = torch.cuda.max_memory_allocated(dev) - base
+        except Exception as e:  # noqa: BLE001 - sizing must not stop the engine; say so instead
+            logger.warning("encoder activation profiling failed (%s: %s); KV pools sized from free memory alone",
+                           type(e).__name__, e)
+            peak = 0
+        torch.cuda.empty_cache()
+        logger.info("encoder activations at %d x %d positions: %.2f GiB (kept out of the KV pools)",
+                    batch, max_input_len, peak / 2**30)
+        return peak
+
+    def _plan_kv(self, activation_bytes: int = 0):
         kvc = self.args.kv_cache_config
         per_token = kv_bytes_per_token(self.model.num_decoder_layers, self.model.num_decoder_heads,
                                        self.model.decoder_head_dim, torch.tensor([], dtype=self.dtype).element_size())
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             free_bytes, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free_bytes * kvc.free_gpu_memory_fraction)
+            budget = int(max(0, free_bytes - activation_bytes) * kvc.free_gpu_memory_fraction)
         else:
             budget = int(kvc.max_cpu_memory_bytes)
         if kvc.max_tokens is not None:
