@@ -88,9 +88,9 @@ for section in $SECTIONS; do
   rtf) OUT=$WORK RUN_LIMIT_S=${RTF_LIMIT_S:-100} timeout ${RTF_TOTAL_S:-400} bash bench/transcribe_rtf.sh 2>&1 | tail -7 ;;
   eval)
     if [ -d /tmp/real/whisper-base ] && [ -d /tmp/real/speech ]; then
-      echo "enc2dec eval --task transcription --model /tmp/real/whisper-base --data /tmp/real/speech/manifest.jsonl --dtype bfloat16 --report-json eval-base-bf16.json" >>"$WORK/commands.txt"
+      echo "enc2dec eval --task transcription --model /tmp/real/whisper-base --data /tmp/real/speech/manifest.jsonl --dtype bfloat16 --warmup 2 --report-json eval-base-bf16.json" >>"$WORK/commands.txt"
       timeout ${EVAL_LIMIT_S:-150} python -m enc2dec.cli.main eval --task transcription --model /tmp/real/whisper-base \
-          --data /tmp/real/speech/manifest.jsonl --dtype bfloat16 --report-json "$WORK/eval-base-bf16.json" \
+          --data /tmp/real/speech/manifest.jsonl --dtype bfloat16 --warmup 2 --report-json "$WORK/eval-base-bf16.json" \
           >"$WORK/eval-base-bf16.log" 2>&1; echo "eval: exit $?"; tail -14 "$WORK/eval-base-bf16.log"
     else echo "eval: real whisper-base not here"; fi ;;
   beam) [ -f bench/beam_check.sh ] && OUT=$WORK timeout ${BEAM_LIMIT_S:-240} bash bench/beam_check.sh 2>&1 | tail -12 ;;
