@@ -128,43 +128,49 @@ class ModelRunner:
         return runner
 
     # ---- start-up -------------------------------------------------------------------------
+    def dummy_encoder_batch(self, max_input_len: int):
+        """The largest encoder microbatch admission allows, on dummy inputs: ``(inputs, meta)``.
+        Every index stays inside the model's tables (a BART position past
+        ``max_position_embeddings`` is a device-side assert on the GPU, fatal to the process)."""
+        a, dev = self.args, self.device
+        length = min(max_input_len, self.model.max_encoder_positions or max_input_len)
+        tokens = min(a.encoder_max_num_tokens or a.max_num_tokens, a.max_num_tokens)
+        batch = max(1, min(a.encoder_max_batch_size or a.max_batch_size, tokens // length))
+        meta = EncoderMetadata(
+            cu_seqlens=torch.arange(0, (batch + 1) * length, length, dtype=torch.int32, device=dev),
+            seq_lens=[length] * batch,
+            positions=None if self.is_whisper else torch.arange(length, device=dev).repeat(batch),
+            cross_slot_mapping=torch.empty(0, dtype=torch.long, device=dev))
+        if self.is_whisper:      # log-mel frames: two per encoder position (the stride-2 convolution)
+            inputs = torch.zeros(batch, self.model.config.num_mel_bins, 2 * length, dtype=self.dtype, device=dev)
+        else:
+            inputs = torch.zeros(batch * length, dtype=torch.long, device=dev)
+        return inputs, meta
+
     def _profile_encoder_activations(self, max_input_len: int) -> int:
         """Peak bytes the largest admissible encoder microbatch allocates, measured by running
         one on dummy inputs before the KV pools take their share (0 off the GPU, or if the
         run fails: then the pools are sized from free memory alone, with a warning)."""
         if self.device.type != "cuda":
             return 0
-        a = self.args
-        tokens = min(a.encoder_max_num_tokens or a.max_num_tokens, a.max_num_tokens)
-        batch = max(1, min(a.encoder_max_batch_size or a.max_batch_size, tokens // max_input_len))
         dev = self.device
         try:
             torch.cuda.synchronize(dev)
             torch.cuda.reset_peak_memory_stats(dev)
             base = torch.cuda.memory_allocated(dev)
             with torch.no_grad():
-                lens = [max_input_len] * batch
-                meta = EncoderMetadata(
-                    cu_seqlens=torch.arange(0, (batch + 1) * max_input_len, max_input_len, dtype=torch.int32,
-                                            device=dev),
-                    seq_lens=lens, positions=None if self.is_whisper else
-                    torch.arange(max_input_len, device=dev).repeat(batch),
-                    cross_slot_mapping=torch.empty(0, dtype=torch.long, device=dev))
-                if self.is_whisper:
-                    cfg = self.model.config
-                    inputs = torch.zeros(batch, cfg.num_mel_bins, 2 * max_input_len, dtype=self.dtype, device=dev)
-                else:
-                    inputs = torch.zeros(batch * max_input_len, dtype=torch.long, device=dev)
+                inputs, meta = self.dummy_encoder_batch(max_input_len)
                 self.model.encode(inputs, meta)
+                del inputs, meta
             torch.cuda.synchronize(dev)
             peak = torch.cuda.max_memory_allocated(dev) - base
-        except Exception as e:  # noqa: BLE001 - sizing must not stop the engine; say so instead
-            logger.warning("encoder activation profiling failed (%s: %s); KV pools sized from free memory alone",
-                           type(e).__name__, e)
+        except torch.OutOfMemoryError as e:      # a clean failure; anything else is not caught
+            logger.warning("encoder activation profiling ran out of memory (%s); KV pools sized from free "
+                           "memory alone", e)
             peak = 0
         torch.cuda.empty_cache()
-        logger.info("encoder activations at %d x %d positions: %.2f GiB (kept out of the KV pools)",
-                    batch, max_input_len, peak / 2**30)
+        logger.info("encoder activations of the largest admissible microbatch: %.2f GiB (kept out of the KV pools)",
+                    peak / 2**30)
         return peak
 
     def _plan_kv(self, activation_bytes: int = 0):

@@ -280,3 +280,19 @@ def test_model_info_stats_and_health(t5_llm, t5_relu):
     assert not llm.is_healthy
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate_async("after shutdown")
+
+
+@pytest.mark.parametrize("family", ["t5_relu", "flan_t5", "bart", "mbart", "whisper"])
+def test_activation_profile_batch_stays_inside_the_model(family, request):
+    """Start-up on the GPU runs the largest admissible encoder microbatch on dummy inputs to
+    size the KV pools; every index must be valid (on the GPU a bad one is a device-side assert
+    that kills the process: BART's position table is shorter than the default max_input_len)."""
+    import torch
+
+    path = request.getfixturevalue(family)
+    with LLM(path, kv_cache_config=KvCacheConfig(cross_kv_cache_fraction=0.5), max_batch_size=4) as llm:
+        runner = llm.engine.runner
+        inputs, meta = runner.dummy_encoder_batch(llm.engine.processor.max_input_len)
+        with torch.no_grad():
+            hidden = runner.model.encode(inputs, meta)
+    assert hidden.shape[0] == sum(meta.seq_lens) and torch.isfinite(hidden).all()
