@@ -4,8 +4,8 @@ A decoder step at small batch multiplies a few rows by every weight matrix once;
 library GEMM reaches a fraction of the memory bandwidth, and ``kernels.skinny_linear``
 streams the weights instead. ``use_skinny_linear(model)`` rebinds the ``forward`` of every
 plain ``nn.Linear`` (fused ``MergedLinear`` included) so calls with at most
-``MAX_ROWS`` rows take the kernel and larger ones (encoder batches, prompt steps) keep
-``F.linear``. Tensor-parallel row layers keep their all-reduce: only their local product
+``DISPATCH_ROWS`` rows take the kernel and larger ones (batched decode steps, encoder
+batches, prompt steps) keep ``F.linear``. Tensor-parallel row layers keep their all-reduce: only their local product
 (``RowParallelLinear.matmul``) is swapped; other subclasses are left alone.
 ``ENC2DEC_SKINNY_GEMM=0`` turns it off (ablation).
 """
@@ -24,11 +24,18 @@ from enc2dec.engine.models.layers import MergedLinear, RowParallelLinear
 logger = logging.getLogger("enc2dec")
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` that sends skinny inputs to the GEMV kernel."""
-    from enc2dec.kernels.skinny_gemm import MAX_ROWS, skinny_linear
+# Rows up to which the kernel replaces the library GEMM. Measured on an H200 (docs/benchmarks.md,
+# runs F and G): at 1 row it beats cuBLAS (flan-t5-large TPOT 1.2 vs 1.5 ms); at 8 rows it is
+# far slower (C=8 TPOT 3.1 ms against 1.8 ms at C=64 without it). 2-7 rows are unmeasured, so
+# they stay with the library.
+DISPATCH_ROWS = 1
 
-    if x.shape[-1] and x.numel() // x.shape[-1] <= MAX_ROWS:
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` that sends single-row inputs to the GEMV kernel."""
+    from enc2dec.kernels.skinny_gemm import skinny_linear
+
+    if x.shape[-1] and x.numel() // x.shape[-1] <= DISPATCH_ROWS:
         return skinny_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -52,5 +59,5 @@ def use_skinny_linear(model: nn.Module) -> int:
         elif type(module) is RowParallelLinear:
             module.matmul = linear
             count += 1
-    logger.info("skinny GEMV kernel on %d linear layers for steps of <= 16 rows", count)
+    logger.info("skinny GEMV kernel on %d linear layers for steps of %d row(s)", count, DISPATCH_ROWS)
     return count

@@ -292,8 +292,10 @@ def test_skinny_linear_keeps_leading_dims_and_hands_wide_inputs_to_the_library()
     assert_close(skinny_linear(wide, w), ref.skinny_linear_ref(wide, w), torch.float32)
 
 
-def test_use_skinny_linear_rebinds_plain_linears_only():
+def test_use_skinny_linear_rebinds_plain_linears_only(monkeypatch):
     from torch import nn
+
+    from enc2dec.kernels import skinny_gemm
 
     from enc2dec.engine.fast_linear import use_skinny_linear
     from enc2dec.engine.models.layers import MergedLinear, RowParallelLinear
@@ -304,13 +306,17 @@ def test_use_skinny_linear_rebinds_plain_linears_only():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(40, 24), MergedLinear(24, 8, 2, bias=True), RowParallelLinear(16, 12, True),
                           OtherLinear(12, 4)).to(DEVICE)
-    few, many = torch.randn(3, 40).to(DEVICE), torch.randn(40, 40).to(DEVICE)
+    few, many = torch.randn(1, 40).to(DEVICE), torch.randn(40, 40).to(DEVICE)
     expected = [model(few), model(many)]
+    calls = []
+    kernel = skinny_gemm.skinny_linear
+    monkeypatch.setattr(skinny_gemm, "skinny_linear", lambda *a: calls.append(a[0].shape) or kernel(*a))
     assert use_skinny_linear(model) == 3
     assert "forward" in vars(model[0]) and "forward" in vars(model[1]) and "forward" not in vars(model[3])
     assert model[2].matmul is not torch.nn.functional.linear
     for x, e in zip((few, many), expected):
         assert_close(model(x), e, torch.float32)
+    assert len(calls) == 3 and all(shape[0] == 1 for shape in calls)   # one-row calls only, three layers
 
 
 def test_backend_encoder_masks_are_reused_per_microbatch_only():
