@@ -9,10 +9,14 @@ import json
 import numpy as np
 import pytest
 import torch
-from transformers import (AutoModelForSeq2SeqLM, AutoTokenizer, GenerationMixin, WhisperFeatureExtractor,
-                          WhisperForConditionalGeneration)
-
 from enc2dec.engine import LLM, KvCacheConfig, SamplingParams
+from hf_reference import hf_whisper
+from transformers import (
+    AutoModelForSeq2SeqLM,
+    AutoTokenizer,
+    GenerationMixin,
+    WhisperFeatureExtractor,
+)
 
 PROMPTS = [
     "translate English to German: The house is wonderful.",
@@ -106,16 +110,6 @@ def test_forced_bos_is_forced_not_searched(mbart):
     assert len({tuple(o.token_ids) for o in out.outputs}) == K        # the search branched after the BOS
 
 
-def _hf_whisper(path):
-    model = WhisperForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-    # transformers 5.x drops lang_to_id / task_to_id / is_multilingual when loading; put them back.
-    with open(f"{path}/generation_config.json") as f:
-        for key, value in json.load(f).items():
-            if not hasattr(model.generation_config, key):
-                setattr(model.generation_config, key, value)
-    return model
-
-
 def _noise(seconds, seed=0):
     return (np.random.RandomState(seed).randn(int(16000 * seconds)) * 0.1).astype(np.float32)
 
@@ -125,7 +119,7 @@ def _audio(wave, sr=16000):
 
 
 def test_whisper_matches_transformers_beam_search(whisper):
-    hf = _hf_whisper(whisper)
+    hf = hf_whisper(whisper)
     fe = WhisperFeatureExtractor.from_pretrained(whisper)
     g = hf.generation_config
     prefix = [g.decoder_start_token_id, g.lang_to_id["<|en|>"], g.task_to_id["transcribe"], g.no_timestamps_token_id]
@@ -155,7 +149,7 @@ def test_real_whisper_base_librivox_matches_transformers_beam_search(real_whispe
     rows = [json.loads(line) for line in open(real_whisper.manifest)]
     waves = [soundfile.read(str(real_whisper.manifest.parent / r["audio"]), dtype="float32") for r in rows]
     ckpt = real_whisper.base
-    hf = _hf_whisper(ckpt)
+    hf = hf_whisper(ckpt)
     fe = WhisperFeatureExtractor.from_pretrained(ckpt)
     with _llm(str(ckpt), kv_cache_config=KvCacheConfig(cross_kv_cache_fraction=0.5)) as llm:
         outs = llm.generate([_audio(w, sr) for w, sr in waves], _beam_params(1, max_tokens=96), use_tqdm=False)

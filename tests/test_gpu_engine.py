@@ -1,9 +1,9 @@
 """GPU path (triton attention, CUDA graphs) against transformers. Run on a GPU with `pytest -m gpu`."""
 import pytest
 import torch
-from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
-
 from enc2dec.engine import LLM, KvCacheConfig, SamplingParams
+from hf_reference import hf_whisper
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -63,16 +63,11 @@ def test_graphs_match_eager_in_bfloat16(flan_t5):
 
 
 def test_whisper_float32_on_gpu_with_device_log_mel_matches_transformers(whisper):
-    import json
 
     import numpy as np
-    from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration
+    from transformers import WhisperFeatureExtractor
 
-    hf = WhisperForConditionalGeneration.from_pretrained(whisper, dtype=torch.float32).cuda().eval()
-    with open(f"{whisper}/generation_config.json") as f:      # transformers 5.x drops these on load
-        for key, value in json.load(f).items():
-            if not hasattr(hf.generation_config, key):
-                setattr(hf.generation_config, key, value)
+    hf = hf_whisper(whisper, device="cuda")
     fe = WhisperFeatureExtractor.from_pretrained(whisper)
     waves = [(np.random.RandomState(i).randn(16000 * (3 + 9 * i)) * 0.1).astype(np.float32) for i in range(3)]
     with LLM(whisper, dtype="float32", attn_backend="triton", max_batch_size=4, kv_cache_config=KV) as llm:
@@ -92,16 +87,12 @@ def test_real_whisper_tiny_en_float32_triton_matches_transformers(real_whisper):
     import json
 
     import soundfile
-    from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration
+    from transformers import WhisperFeatureExtractor
 
     rows = [json.loads(line) for line in open(real_whisper.manifest)]
     waves = [soundfile.read(str(real_whisper.manifest.parent / r["audio"]), dtype="float32") for r in rows]
     ckpt = str(real_whisper.tiny_en)
-    hf = WhisperForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).cuda().eval()
-    with open(f"{ckpt}/generation_config.json") as f:         # transformers 5.x drops these on load
-        for key, value in json.load(f).items():
-            if not hasattr(hf.generation_config, key):
-                setattr(hf.generation_config, key, value)
+    hf = hf_whisper(ckpt, device="cuda")
     fe = WhisperFeatureExtractor.from_pretrained(ckpt)
     with LLM(ckpt, dtype="float32", attn_backend="triton", max_batch_size=8, kv_cache_config=KV) as llm:
         assert llm.engine.runner.backend.name == "triton" and llm.engine.runner.log_mel is not None
@@ -122,7 +113,7 @@ def test_real_whisper_tiny_en_bfloat16_graphs_first_16_tokens(real_whisper):
     import json
 
     import soundfile
-    from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration
+    from transformers import WhisperFeatureExtractor
 
     rows = [json.loads(line) for line in open(real_whisper.manifest)]
     waves = []
@@ -130,7 +121,7 @@ def test_real_whisper_tiny_en_bfloat16_graphs_first_16_tokens(real_whisper):
         wave, sr = soundfile.read(str(real_whisper.manifest.parent / r["audio"]), dtype="float32")
         waves += [(wave, sr), (wave[:len(wave) // 2], sr), (wave[len(wave) // 2:], sr)]
     ckpt = str(real_whisper.tiny_en)
-    hf = WhisperForConditionalGeneration.from_pretrained(ckpt, dtype=torch.bfloat16).cuda().eval()
+    hf = hf_whisper(ckpt, torch.bfloat16, "cuda")
     fe = WhisperFeatureExtractor.from_pretrained(ckpt)
     with LLM(ckpt, dtype="bfloat16", max_batch_size=32, kv_cache_config=KV) as llm:
         assert llm.engine.runner.graphs is not None

@@ -4,10 +4,13 @@ import json
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, WhisperFeatureExtractor, \
-    WhisperForConditionalGeneration
-
 from enc2dec.engine import LLM, KvCacheConfig, SamplingParams
+from hf_reference import hf_whisper
+from transformers import (
+    AutoModelForSeq2SeqLM,
+    AutoTokenizer,
+    WhisperFeatureExtractor,
+)
 
 PROMPTS = [
     "translate English to German: The house is wonderful.",
@@ -63,22 +66,12 @@ def test_forced_bos_is_returned_and_counts_against_max_tokens(mbart):
             llm.generate("hello world", SamplingParams(max_tokens=1))
 
 
-def _hf_whisper(path):
-    model = WhisperForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-    # transformers 5.x drops lang_to_id / task_to_id / is_multilingual when loading; put them back.
-    with open(f"{path}/generation_config.json") as f:
-        for key, value in json.load(f).items():
-            if not hasattr(model.generation_config, key):
-                setattr(model.generation_config, key, value)
-    return model
-
-
 def _noise(seconds, seed=0):
     return (np.random.RandomState(seed).randn(int(16000 * seconds)) * 0.1).astype(np.float32)
 
 
 def test_whisper_matches_transformers_greedy(whisper):
-    hf = _hf_whisper(whisper)
+    hf = hf_whisper(whisper)
     fe = WhisperFeatureExtractor.from_pretrained(whisper)
     waves = [_noise(3, 0), _noise(11.5, 1), _noise(30, 2)]
     with _llm(whisper) as llm:
@@ -93,7 +86,7 @@ def test_whisper_matches_transformers_greedy(whisper):
 
 def test_whisper_prompt_replaces_the_prefix(whisper):
     tok = AutoTokenizer.from_pretrained(whisper)
-    hf = _hf_whisper(whisper)
+    hf = hf_whisper(whisper)
     fe = WhisperFeatureExtractor.from_pretrained(whisper)
     wave = _noise(5, 3)
     prompt = "<|startoftranscript|><|fr|><|translate|><|notimestamps|>"
@@ -123,7 +116,7 @@ def test_real_whisper_librivox_matches_transformers(real_whisper):
     rows = [json.loads(line) for line in open(real_whisper.manifest)]
     waves = [soundfile.read(str(real_whisper.manifest.parent / r["audio"]), dtype="float32") for r in rows]
     for ckpt in (real_whisper.tiny_en, real_whisper.base):
-        hf = _hf_whisper(ckpt)
+        hf = hf_whisper(ckpt)
         fe = WhisperFeatureExtractor.from_pretrained(ckpt)
         multilingual = hf.config.vocab_size >= 51865
         with _llm(str(ckpt), kv_cache_config=KvCacheConfig(cross_kv_cache_fraction=0.5)) as llm:

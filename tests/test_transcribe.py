@@ -8,11 +8,14 @@ import json
 import numpy as np
 import pytest
 import soundfile as sf
-import torch
 from enc2dec.cli.main import app
 from enc2dec.engine import LLM, KvCacheConfig, SamplingParams
 from enc2dec.engine.transcribe import transcribe
-from transformers import AutoTokenizer, WhisperFeatureExtractor, WhisperForConditionalGeneration
+from hf_reference import hf_whisper as reference_whisper
+from transformers import (
+    AutoTokenizer,
+    WhisperFeatureExtractor,
+)
 from typer.testing import CliRunner
 
 
@@ -28,12 +31,7 @@ def whisper_llm(whisper):
 
 @pytest.fixture(scope="module")
 def hf_whisper(whisper):
-    model = WhisperForConditionalGeneration.from_pretrained(whisper, dtype=torch.float32).eval()
-    with open(f"{whisper}/generation_config.json") as f:       # transformers 5 drops these keys
-        for key, value in json.load(f).items():
-            if not hasattr(model.generation_config, key):
-                setattr(model.generation_config, key, value)
-    return model
+    return reference_whisper(whisper)
 
 
 class _Force:

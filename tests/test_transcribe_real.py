@@ -15,12 +15,12 @@ import re
 import numpy as np
 import pytest
 import soundfile as sf
-import torch
 from enc2dec.cli.main import app
 from enc2dec.engine import LLM, KvCacheConfig, SamplingParams
 from enc2dec.engine.transcribe import transcribe
 from enc2dec.engine.whisper_rules import TimestampRules
 from enc2dec.engine.whisper_tokens import engine_whisper_info
+from hf_reference import hf_whisper
 from typer.testing import CliRunner
 
 pytestmark = pytest.mark.real
@@ -62,17 +62,6 @@ def joined(real_whisper, tmp_path_factory):
     return path, " ".join(refs)
 
 
-def _hf(path):
-    from transformers import WhisperForConditionalGeneration
-
-    model = WhisperForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-    with open(f"{path}/generation_config.json") as f:       # transformers 5 drops these keys
-        for key, value in json.load(f).items():
-            if not hasattr(model.generation_config, key):
-                setattr(model.generation_config, key, value)
-    return model
-
-
 def _normalizer(ckpt):
     from transformers.models.whisper.english_normalizer import EnglishTextNormalizer
 
@@ -89,7 +78,7 @@ def test_each_clip_equals_transformers_greedy(real_whisper, name, request):
     rows = _rows(real_whisper)
     files = [str(real_whisper.manifest.parent / r["audio"]) for r in rows]
     results = transcribe(llm, files)        # base: the language is detected
-    hf, fe, tok = _hf(ckpt), WhisperFeatureExtractor.from_pretrained(ckpt), AutoTokenizer.from_pretrained(ckpt)
+    hf, fe, tok = hf_whisper(ckpt), WhisperFeatureExtractor.from_pretrained(ckpt), AutoTokenizer.from_pretrained(ckpt)
     # transformers detects the language too when given only the task (multilingual checkpoints).
     kw = {"task": "transcribe"} if hf.generation_config.is_multilingual else {}
     for row, t in zip(rows, results):
@@ -103,7 +92,7 @@ def test_timestamp_tokens_equal_transformers(real_whisper, tiny_llm):
     """The timestamp rules as a logits processor give transformers' return_timestamps tokens."""
     from transformers import WhisperFeatureExtractor
 
-    hf = _hf(real_whisper.tiny_en)
+    hf = hf_whisper(real_whisper.tiny_en)
     hf.generation_config.max_initial_timestamp_index = 50
     fe = WhisperFeatureExtractor.from_pretrained(real_whisper.tiny_en)
     tok = engine_whisper_info(tiny_llm)[0]
