@@ -24,18 +24,17 @@ which admission reserves (batch rows and headroom). After each step ``BeamState`
 surviving (parent, token) pairs; a parent chosen twice is forked, its blocks shared by
 reference count, and a beam about to write into a shared, partly filled block gets its
 own copy at the next ``schedule()`` (copy-on-write; the copies ride in
-``SchedulerOutput.block_copies``). Beam requests are never advanced with placeholders:
+``SchedulerOutput.block_copies``). That half lives in ``beam_scheduling.py``. Beam requests are never advanced with placeholders:
 the engine resolves the previous step before scheduling while one is live.
 """
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass
 
 from enc2dec.engine.admission import SchedulerLimits, admission_error  # noqa: F401 (re-export)
-from enc2dec.engine.batch import (BeamCandidate, ModelRunnerOutput, SampledToken, ScheduledEncode,
-                                  ScheduledSeq, SchedulerOutput)
-from enc2dec.engine.beam_search import fork_sequence
+from enc2dec.engine.batch import ModelRunnerOutput, SampledToken, ScheduledEncode, ScheduledSeq, SchedulerOutput
+from enc2dec.engine.beam_scheduling import BeamScheduling
 from enc2dec.engine.block_manager import BlockPool, blocks_needed
 from enc2dec.engine.request import PLACEHOLDER_TOKEN_ID, Request, RequestStatus, Sequence
 from enc2dec.engine.stop_rules import check_stop
@@ -57,7 +56,7 @@ class _StepBudget:
     num_growth_blocks: int = 0   # self blocks those sequences need on top at the next step
 
 
-class Scheduler:
+class Scheduler(BeamScheduling):
     def __init__(self, limits: SchedulerLimits, num_self_blocks: int, num_cross_blocks: int) -> None:
         self.limits = limits
         self.self_pool = BlockPool(num_self_blocks)
@@ -166,26 +165,6 @@ class Scheduler:
             seq.block_ids.extend(self.self_pool.allocate(self._num_missing_self_blocks(seq)))
         return True
 
-    def _written_blocks(self, seq: Sequence) -> list[int]:
-        """The blocks this step writes into (from the first uncomputed position on)."""
-        return seq.block_ids[seq.num_computed_tokens // self.limits.tokens_per_block:]
-
-    def _num_copy_on_write_blocks(self, seqs: list[Sequence]) -> int:
-        """Copies ``_copy_on_write`` will make: every holder of a shared block it writes takes
-        a copy, except the last one when nobody outside ``seqs`` holds the block."""
-        holders = Counter(b for s in seqs for b in self._written_blocks(s) if self.self_pool.ref_count(b) > 1)
-        return sum(n - (self.self_pool.ref_count(b) == n) for b, n in holders.items())
-
-    def _copy_on_write(self, seq: Sequence, out: SchedulerOutput) -> None:
-        first = seq.num_computed_tokens // self.limits.tokens_per_block
-        for i in range(first, len(seq.block_ids)):
-            block_id = seq.block_ids[i]
-            if self.self_pool.ref_count(block_id) > 1:
-                (copy_id,) = self.self_pool.allocate(1)
-                out.block_copies.append((block_id, copy_id))
-                self.self_pool.free([block_id])
-                seq.block_ids[i] = copy_id
-
     def _preempt(self, req: Request) -> None:
         assert self.running[-1] is req, "only the newest running request is preempted"
         self.running.pop()
@@ -264,10 +243,6 @@ class Scheduler:
         num_unexpanded = self._num_unexpanded_beams(req, _schedulable(req))
         budget.num_seqs += num_unexpanded
         budget.num_growth_blocks += num_unexpanded
-
-    @staticmethod
-    def _num_unexpanded_beams(req: Request, seqs: list[Sequence]) -> int:
-        return max(0, req.beam_width - len(seqs)) if seqs else 0
 
     def _num_missing_self_blocks(self, seq: Sequence) -> int:
         return blocks_needed(seq.num_tokens, self.limits.tokens_per_block) - len(seq.block_ids)
@@ -352,53 +327,6 @@ class Scheduler:
                 if done is not None:
                     finished.append(done)
         return finished + self._beam_steps(beam_reqs, runner_out)
-
-    # ---------------------------------------------------------------------- beam search
-
-    def _beam_steps(self, beam_reqs: dict[str, Request], runner_out: ModelRunnerOutput) -> list[Request]:
-        finished = []
-        for rid, req in beam_reqs.items():
-            done = self._beam_step(req, runner_out.beams[rid])
-            if done is not None:
-                finished.append(done)
-        return finished
-
-    def _beam_step(self, req: Request, candidates: list[BeamCandidate]) -> Request | None:
-        """Replace the running beams by this step's survivors; returns ``req`` when its search is done."""
-        parents = {s.seq_id: s for s in req.live_seqs}
-        assert all(s.num_computed_tokens == s.num_tokens for s in parents.values()), \
-            f"request {req.request_id}: its beams did not all step together"
-        step = req.beam.step(parents, candidates, lambda p, tok: check_stop(req, p, tok, p.num_tokens + 1),
-                             req.max_output_tokens)
-        if step.is_done:
-            status = req.beam.finished[0].status if req.beam.finished else RequestStatus.FINISHED_LENGTH
-            done = None
-            for seq in list(req.live_seqs):
-                done = self._finish(req, seq, status, None)
-            return done
-        # Forks copy their parent before any survivor appends its token.
-        survivors, claimed = [], set()
-        for parent, cand in step.running:
-            if parent.seq_id in claimed:
-                child = fork_sequence(parent, self.self_pool.fork(parent.block_ids))
-                self._live_seqs[child.seq_id] = (req, child)
-            else:
-                claimed.add(parent.seq_id)
-                child = parent
-            survivors.append((child, cand))
-        for parent in parents.values():
-            if parent.seq_id not in claimed:       # no child: its blocks go (shared ones lose a reference)
-                self.self_pool.free(parent.block_ids)
-                parent.block_ids = []
-                del self._live_seqs[parent.seq_id]
-        for rank, (child, cand) in enumerate(survivors):
-            child.index = rank
-            child.token_ids.append(cand.token_id)
-            child.cumulative_logprob = cand.cumulative_logprob     # the device's float32 sum, as ranked
-            if req.beam.keep_logprobs:
-                child.logprobs = (child.logprobs or []) + [{cand.token_id: cand.logprob}]
-        req.seqs = [child for child, _ in survivors]
-        return None
 
     @staticmethod
     def _append_token(seq: Sequence, sampled: SampledToken, seq_len: int) -> None:
