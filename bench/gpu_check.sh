@@ -17,7 +17,7 @@
 # Real Whisper folders packed by bench/carry_real.py are unpacked from .carry*/ into /tmp/real;
 # wheels in .whl/ (soundfile, soxr, jiwer, ...) are installed into /tmp/site. A transfer limit
 # of 64 MiB per call means the pieces travel over consecutive calls on a warm machine, e.g.
-#   python bench/carry_real.py pack ~/.cache/enc2dec-real whisper-tiny.en .carry1 --piece-mb 52
+#   python bench/carry_real.py pack ~/.cache/enc2dec-real whisper-tiny.en /tmp/tiny --piece-mb 52
 #   python bench/carry_real.py pack ~/.cache/enc2dec-real whisper-base /tmp/base --piece-mb 30
 # then spread the parts (and speech/) over .carry1 ... .carry4, one folder carried per call.
 set -uo pipefail
