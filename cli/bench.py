@@ -5,11 +5,12 @@ Exit codes: 0 done, 1 a ``--fail-under`` check missed or a request failed, 2 bad
 """
 from __future__ import annotations
 
+import functools
 from typing import Annotated, Optional
 
 import typer
 
-from enc2dec.cli.common import command_line, run_command
+from enc2dec.cli.common import OptFloat, OptInt, OptStr, command_line, option, run_command
 
 HELP = """Benchmark a model: closed-loop clients keep C requests in flight at each
 concurrency level.
@@ -57,19 +58,11 @@ def _names(values: list[str] | None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(v.strip() for item in values or [] for v in item.split(",") if v.strip()))
 
 
-def _engine(help_text: str):
-    return typer.Option(help=help_text, rich_help_panel="Engine")
 
 
-def _work(help_text: str):
-    return typer.Option(help=help_text, rich_help_panel="Workload")
-
-
-def _out(help_text: str):
-    return typer.Option(help=help_text, rich_help_panel="Output and checks")
-
-
-OptStr, OptInt, OptFloat = Optional[str], Optional[int], Optional[float]
+_engine = functools.partial(option, panel="Engine")
+_work = functools.partial(option, panel="Workload")
+_out = functools.partial(option, panel="Output and checks")
 
 
 def bench(

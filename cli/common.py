@@ -1,4 +1,5 @@
-"""What every command shares: exit-code mapping and the exact command line for reports.
+"""What every command shares: option declarations, exit-code mapping and the exact command
+line for reports.
 
 Exit codes (all commands): 0 done, 1 a check failed or the run failed, 2 bad usage or input,
 130 interrupted. Bad input is a one-line error; an unexpected failure is one line too, and
@@ -8,9 +9,16 @@ from __future__ import annotations
 
 import os
 import shlex
-from typing import Callable
+from typing import Callable, Optional
 
 import typer
+
+OptStr, OptInt, OptFloat = Optional[str], Optional[int], Optional[float]
+
+
+def option(help_text: str, panel: str, *names: str, **kw):
+    """A Typer option shown under ``panel`` in ``--help``."""
+    return typer.Option(*names, help=help_text, rich_help_panel=panel, **kw)
 
 
 def run_command(name: str, body: Callable[[], int], input_errors: tuple[type[BaseException], ...]) -> None:

@@ -5,11 +5,12 @@ Exit codes: 0 done, 1 a threshold missed (or a request failed), 2 bad usage or d
 """
 from __future__ import annotations
 
-from typing import Annotated, Optional
+import functools
+from typing import Annotated
 
 import typer
 
-from enc2dec.cli.common import command_line, run_command
+from enc2dec.cli.common import OptFloat, OptInt, OptStr, command_line, option, run_command
 
 HELP = """Score a model on a dataset and against transformers' own outputs.
 
@@ -35,19 +36,11 @@ Examples:
     --limit 100
 """
 
-OptStr, OptInt, OptFloat = Optional[str], Optional[int], Optional[float]
 
 
-def _data(help_text: str):
-    return typer.Option(help=help_text, rich_help_panel="Data")
-
-
-def _engine(help_text: str):
-    return typer.Option(help=help_text, rich_help_panel="Engine")
-
-
-def _out(help_text: str):
-    return typer.Option(help=help_text, rich_help_panel="Reference, checks and output")
+_data = functools.partial(option, panel="Data")
+_engine = functools.partial(option, panel="Engine")
+_out = functools.partial(option, panel="Reference, checks and output")
 
 
 def eval_command(

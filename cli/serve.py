@@ -10,9 +10,11 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
+
+from enc2dec.cli.common import OptInt, OptStr, option
 
 HELP = """Serve a model over HTTP with OpenAI's API.
 
@@ -31,45 +33,40 @@ Examples:
 REQUIRED_MODULES = ("fastapi", "uvicorn", "pydantic", "multipart", "prometheus_client")
 
 
-def _opt(help_text: str, panel: str, *names: str, **kw):
-    return typer.Option(*names, help=help_text, rich_help_panel=panel, **kw)
-
-
 S, E = "Server", "Engine"
-OptStr, OptInt, OptFloat = Optional[str], Optional[int], Optional[float]
 
 
 def serve(
     model: Annotated[str, typer.Argument(help="Hugging Face folder or hub id (with --load-format dummy also a "
                                               "known name such as google/flan-t5-small).")],
-    config: Annotated[OptStr, _opt("Engine YAML (LLM option names, e.g. the guide's enc-dec-config.yaml).",
+    config: Annotated[OptStr, option("Engine YAML (LLM option names, e.g. the guide's enc-dec-config.yaml).",
                                    E)] = None,
-    backend: Annotated[str, _opt("Only 'pytorch' (accepted for trtllm-serve command lines).", E)] = "pytorch",
-    load_format: Annotated[OptStr, _opt("auto (the checkpoint's weights) or dummy (random).", E)] = None,
-    dtype: Annotated[OptStr, _opt("auto, float32, float16 or bfloat16.", E)] = None,
-    device: Annotated[OptStr, _opt("auto, cpu, cuda or cuda:N.", E)] = None,
-    tokenizer: Annotated[OptStr, _opt("Tokenizer folder or id, if not the model's.", E)] = None,
-    max_batch_size: Annotated[OptInt, _opt("Most decoder sequences running at once.", E)] = None,
-    tp_size: Annotated[OptInt, _opt("Tensor-parallel GPUs.", E, "--tp-size", "--tp_size")] = None,
-    max_beam_width: Annotated[OptInt, _opt("Widest beam search a request may ask for (best_of with "
+    backend: Annotated[str, option("Only 'pytorch' (accepted for trtllm-serve command lines).", E)] = "pytorch",
+    load_format: Annotated[OptStr, option("auto (the checkpoint's weights) or dummy (random).", E)] = None,
+    dtype: Annotated[OptStr, option("auto, float32, float16 or bfloat16.", E)] = None,
+    device: Annotated[OptStr, option("auto, cpu, cuda or cuda:N.", E)] = None,
+    tokenizer: Annotated[OptStr, option("Tokenizer folder or id, if not the model's.", E)] = None,
+    max_batch_size: Annotated[OptInt, option("Most decoder sequences running at once.", E)] = None,
+    tp_size: Annotated[OptInt, option("Tensor-parallel GPUs.", E, "--tp-size", "--tp_size")] = None,
+    max_beam_width: Annotated[OptInt, option("Widest beam search a request may ask for (best_of with "
                                            "use_beam_search); each beam is a decoder sequence.", E,
                                            "--max-beam-width", "--max_beam_width")] = None,
-    host: Annotated[str, _opt("Address to listen on (0.0.0.0 for every interface).", S)] = "127.0.0.1",
-    port: Annotated[int, _opt("Port (0 picks a free one; the log names it).", S)] = 8000,
-    api_key: Annotated[OptStr, _opt("Require 'Authorization: Bearer KEY' on every endpoint but /health.", S,
+    host: Annotated[str, option("Address to listen on (0.0.0.0 for every interface).", S)] = "127.0.0.1",
+    port: Annotated[int, option("Port (0 picks a free one; the log names it).", S)] = 8000,
+    api_key: Annotated[OptStr, option("Require 'Authorization: Bearer KEY' on every endpoint but /health.", S,
                                     envvar="ENC2DEC_API_KEY", show_envvar=True)] = None,
-    served_model_name: Annotated[list[str] | None, _opt("Model name(s) clients use (default: MODEL). "
+    served_model_name: Annotated[list[str] | None, option("Model name(s) clients use (default: MODEL). "
                                                            "Repeatable.", S)] = None,
-    max_queue: Annotated[int, _opt("Requests waiting for a decode slot; beyond it 503 with Retry-After.", S)] = 256,
-    max_upload_mb: Annotated[float, _opt("Largest request body (audio upload or JSON), MB.", S)] = 25.0,
-    max_prompt_tokens: Annotated[OptInt, _opt("Longest prompt in tokens (default: the engine's "
+    max_queue: Annotated[int, option("Requests waiting for a decode slot; beyond it 503 with Retry-After.", S)] = 256,
+    max_upload_mb: Annotated[float, option("Largest request body (audio upload or JSON), MB.", S)] = 25.0,
+    max_prompt_tokens: Annotated[OptInt, option("Longest prompt in tokens (default: the engine's "
                                               "max_input_len).", S)] = None,
-    max_audio_s: Annotated[float, _opt("Longest audio upload in seconds (longer than 30 s is decoded in "
+    max_audio_s: Annotated[float, option("Longest audio upload in seconds (longer than 30 s is decoded in "
                                        "windows, as enc2dec transcribe does).", S)] = 3600.0,
-    long_form_strategy: Annotated[str, _opt("Audio over 30 s or with timestamps: sequential (most accurate) or "
+    long_form_strategy: Annotated[str, option("Audio over 30 s or with timestamps: sequential (most accurate) or "
                                             "chunked (windows of one file decoded at once).", S)] = "sequential",
-    drain_timeout: Annotated[float, _opt("SIGTERM: longest wait for requests in flight, seconds.", S)] = 600.0,
-    log_level: Annotated[str, _opt("critical, error, warning, info or debug (debug adds an access log).",
+    drain_timeout: Annotated[float, option("SIGTERM: longest wait for requests in flight, seconds.", S)] = 600.0,
+    log_level: Annotated[str, option("critical, error, warning, info or debug (debug adds an access log).",
                                    S)] = "info",
 ) -> None:
     missing = [m for m in REQUIRED_MODULES if not _importable(m)]

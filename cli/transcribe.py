@@ -13,6 +13,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from enc2dec.cli.common import OptStr, option
+
 HELP = """Transcribe (or translate to English) audio files with Whisper.
 
 Inputs are files or folders (searched recursively) in any format that
@@ -48,12 +50,7 @@ DEFAULT_MODEL = "openai/whisper-large-v3"
 DEFAULT_CROSS_KV_FRACTION = 0.5
 
 
-def _opt(help_text: str, panel: str, *names: str, **kw):
-    return typer.Option(*names, help=help_text, rich_help_panel=panel, **kw)
-
-
 D, O, E = "Decoding", "Output", "Engine"
-OptStr = Optional[str]
 
 
 class _UsageError(ValueError):
@@ -62,30 +59,30 @@ class _UsageError(ValueError):
 
 def transcribe(
     inputs: Annotated[list[str], typer.Argument(help="Audio files and/or folders.", show_default=False)],
-    model: Annotated[str, _opt("Hugging Face folder or hub id of a Whisper checkpoint (with --load-format "
+    model: Annotated[str, option("Hugging Face folder or hub id of a Whisper checkpoint (with --load-format "
                                "dummy also a known name).", E)] = DEFAULT_MODEL,
-    language: Annotated[OptStr, _opt("Spoken language, a code or a name (en, de, 'german'); default: "
+    language: Annotated[OptStr, option("Spoken language, a code or a name (en, de, 'german'); default: "
                                      "detected per file on multilingual checkpoints.", D)] = None,
-    task: Annotated[str, _opt("transcribe, or translate (into English).", D)] = "transcribe",
-    strategy: Annotated[str, _opt("Long audio: chunked (overlapping windows decoded together: fastest) or "
+    task: Annotated[str, option("transcribe, or translate (into English).", D)] = "transcribe",
+    strategy: Annotated[str, option("Long audio: chunked (overlapping windows decoded together: fastest) or "
                                   "sequential (seek by predicted timestamps: most accurate).", D)] = "chunked",
-    timestamps: Annotated[bool, _opt("Segment start and end times in the txt output (srt, vtt, tsv and json "
+    timestamps: Annotated[bool, option("Segment start and end times in the txt output (srt, vtt, tsv and json "
                                      "always carry them).", D)] = False,
-    beam_size: Annotated[int, _opt("Beam width: 1 decodes greedily, K > 1 keeps K beams per window (the "
+    beam_size: Annotated[int, option("Beam width: 1 decodes greedily, K > 1 keeps K beams per window (the "
                                    "best hypothesis wins; slower).", D)] = 1,
-    batch_size: Annotated[int, _opt("30 s windows decoding at once, across all files.", D)] = 32,
-    output_format: Annotated[str, _opt("txt, srt, vtt, json, tsv, a comma list of them, or all (all and lists "
+    batch_size: Annotated[int, option("30 s windows decoding at once, across all files.", D)] = 32,
+    output_format: Annotated[str, option("txt, srt, vtt, json, tsv, a comma list of them, or all (all and lists "
                                        "need --output-dir).", O, "--output-format", "-f")] = "txt",
-    output_dir: Annotated[OptStr, _opt("Write one file per input and format here (default: the text to "
+    output_dir: Annotated[OptStr, option("Write one file per input and format here (default: the text to "
                                        "stdout).", O, "--output-dir", "-o")] = None,
-    quiet: Annotated[bool, _opt("No progress bar, no per-file language lines; errors and the summary "
+    quiet: Annotated[bool, option("No progress bar, no per-file language lines; errors and the summary "
                                 "still go to stderr.", O)] = False,
-    config: Annotated[OptStr, _opt("Engine YAML (LLM option names, e.g. enc-dec-config.yaml); the options "
+    config: Annotated[OptStr, option("Engine YAML (LLM option names, e.g. enc-dec-config.yaml); the options "
                                    "below win.", E)] = None,
-    load_format: Annotated[OptStr, _opt("auto (the checkpoint's weights) or dummy (random, for timing).", E)] = None,
-    dtype: Annotated[OptStr, _opt("auto, float32, float16 or bfloat16.", E)] = None,
-    device: Annotated[OptStr, _opt("auto, cpu, cuda or cuda:N.", E)] = None,
-    tp_size: Annotated[Optional[int], _opt("Tensor-parallel GPUs (tensor_parallel_size); the attention head "
+    load_format: Annotated[OptStr, option("auto (the checkpoint's weights) or dummy (random, for timing).", E)] = None,
+    dtype: Annotated[OptStr, option("auto, float32, float16 or bfloat16.", E)] = None,
+    device: Annotated[OptStr, option("auto, cpu, cuda or cuda:N.", E)] = None,
+    tp_size: Annotated[Optional[int], option("Tensor-parallel GPUs (tensor_parallel_size); the attention head "
                                            "counts must divide by it.", E, "--tp-size", "--tp_size")] = None,
 ) -> None:
     options = dict(locals())

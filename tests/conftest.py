@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import tiny_models  # noqa: E402
+from fake_engine import FakeLLM  # noqa: E402
 
 # No model hub here or in CI: fail fast instead of waiting on network timeouts.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -38,6 +39,19 @@ byt5 = _tiny("byt5")
 bart = _tiny("bart")
 mbart = _tiny("mbart")
 whisper = _tiny("whisper")
+
+
+@pytest.fixture
+def fake_llm(monkeypatch):
+    """The engines bench starts, each a FakeLLM (no model, 1 ms steps)."""
+    made = []
+
+    def start(args):
+        made.append(FakeLLM(args))
+        return made[-1]
+
+    monkeypatch.setattr("enc2dec.bench.runner.start_llm", start)
+    return made
 
 
 REAL_ARTIFACTS = {"tiny_en": "whisper-tiny.en", "base": "whisper-base", "speech": "speech"}

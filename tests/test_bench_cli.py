@@ -10,21 +10,8 @@ import sys
 import pytest
 from enc2dec.bench import session
 from enc2dec.cli.main import app
-from test_bench_unit import FakeLLM
+from fake_engine import FakeLLM
 from typer.testing import CliRunner
-
-
-@pytest.fixture
-def fake_llm(monkeypatch):
-    """The engines bench starts, each a FakeLLM (no model, 1 ms steps)."""
-    made = []
-
-    def start(args):
-        made.append(FakeLLM(args))
-        return made[-1]
-
-    monkeypatch.setattr("enc2dec.bench.runner.start_llm", start)
-    return made
 
 
 def bench_cli(*args):
