@@ -114,8 +114,8 @@ class DecodeGraphRunner:
         self._dev64.copy_(host64, non_blocking=True)
         self._dev32.copy_(host32, non_blocking=True)
         if fill:
-            dst, src = zip(*fill)
-            self._dev64[to_device(dst, torch.long, self.device)] = prev_tokens[to_device(src, torch.long, self.device)]
+            dst, src = to_device(fill, torch.long, self.device).t()          # one copy: [2, n]
+            self._dev64[dst] = prev_tokens[src]
         if not replay:
             return None
         b = next(size for size in self.sizes if size >= n)

@@ -5,8 +5,9 @@ library GEMM reaches a fraction of the memory bandwidth, and ``kernels.skinny_li
 streams the weights instead. ``use_skinny_linear(model)`` rebinds the ``forward`` of every
 plain ``nn.Linear`` (fused ``MergedLinear`` included) so calls with at most
 ``DISPATCH_ROWS`` rows take the kernel and larger ones (batched decode steps, encoder
-batches, prompt steps) keep ``F.linear``. Tensor-parallel row layers keep their all-reduce: only their local product
-(``RowParallelLinear.matmul``) is swapped; other subclasses are left alone.
+batches, prompt steps) keep ``F.linear``. Tensor-parallel row layers keep their
+all-reduce: only their local product (``RowParallelLinear.matmul``) is swapped; other
+subclasses are left alone.
 ``ENC2DEC_SKINNY_GEMM=0`` turns it off (ablation).
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from enc2dec.engine.models.layers import MergedLinear, RowParallelLinear
+from enc2dec.kernels.skinny_gemm import skinny_linear      # triton itself loads at the first launch
 
 logger = logging.getLogger("enc2dec")
 
@@ -33,8 +35,6 @@ DISPATCH_ROWS = 1
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` that sends single-row inputs to the GEMV kernel."""
-    from enc2dec.kernels.skinny_gemm import skinny_linear
-
     if x.shape[-1] and x.numel() // x.shape[-1] <= DISPATCH_ROWS:
         return skinny_linear(x, weight, bias)
     return F.linear(x, weight, bias)

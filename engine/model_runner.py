@@ -149,8 +149,9 @@ class ModelRunner:
 
     def _profile_encoder_activations(self, max_input_len: int) -> int:
         """Peak bytes the largest admissible encoder microbatch allocates, measured by running
-        one on dummy inputs before the KV pools take their share (0 off the GPU, or if the
-        run fails: then the pools are sized from free memory alone, with a warning)."""
+        one on dummy inputs before the KV pools take their share (0 off the GPU, or when the
+        run runs out of memory: then the pools are sized from free memory alone, with a
+        warning; any other error stops start-up)."""
         if self.device.type != "cuda":
             return 0
         dev = self.device
@@ -230,8 +231,7 @@ class ModelRunner:
         return per_seq.get(s.seq_id) or next(iter(per_seq.values()))
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        src = to_device([c[0] for c in copies], torch.long, self.device)
-        dst = to_device([c[1] for c in copies], torch.long, self.device)
+        src, dst = to_device(copies, torch.long, self.device).t()            # one copy: [2, n]
         for layer in self.kv.self_kv:
             for cache in (layer.k, layer.v):                   # [num_blocks, tokens_per_block, heads, head_dim]
                 cache.index_copy_(0, dst, cache.index_select(0, src))
@@ -308,7 +308,7 @@ class ModelRunner:
             last_token_indices=to_device(last, i64, dev))
         input_ids = to_device(ids, i64, dev)
         if fill:
-            dst, src = zip(*fill)
-            input_ids[to_device(dst, i64, dev)] = self._prev_tokens[to_device(src, i64, dev)]
+            dst, src = to_device(fill, i64, dev).t()                       # one copy: [2, n]
+            input_ids[dst] = self._prev_tokens[src]
         positions = to_device(pos, i64, dev)
         return input_ids, positions, meta

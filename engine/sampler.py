@@ -189,7 +189,7 @@ def _beam_candidates(logits: torch.Tensor, states: list[SeqSamplingState], num_o
     logp = logits[rows].float().log_softmax(dim=-1)                           # [R, V], a fresh tensor
     m_rows, m_cols = _mask_indices([states[r] for r in rows], [num_output_tokens[r] for r in rows])
     if m_rows:
-        logp.index_put_((to_device(m_rows, torch.long, dev), to_device(m_cols, torch.long, dev)), _neg_inf(dev))
+        logp.index_put_(tuple(to_device((m_rows, m_cols), torch.long, dev)), _neg_inf(dev))
     for i, r in enumerate(rows):
         for fn in states[r].params.logits_processors or ():
             fn(histories[i] if histories[i] is not None else [-1] * num_output_tokens[r], logp[i])
@@ -227,8 +227,7 @@ class Sampler:
         rows, cols = _mask_indices(states, num_output_tokens)
         if rows:
             dev = logits.device
-            logits = logits.index_put((to_device(rows, torch.long, dev), to_device(cols, torch.long, dev)),
-                                      _neg_inf(dev))
+            logits = logits.index_put(tuple(to_device((rows, cols), torch.long, dev)), _neg_inf(dev))
         # Beam rows run their processors in _beam_candidates, over each beam's own history.
         processed = [r for r, st in enumerate(states) if st.params.logits_processors
                      and not st.params.use_beam_search]

@@ -295,7 +295,7 @@ def test_skinny_linear_keeps_leading_dims_and_hands_wide_inputs_to_the_library()
 def test_use_skinny_linear_rebinds_plain_linears_only(monkeypatch):
     from torch import nn
 
-    from enc2dec.kernels import skinny_gemm
+    from enc2dec.engine import fast_linear
 
     from enc2dec.engine.fast_linear import use_skinny_linear
     from enc2dec.engine.models.layers import MergedLinear, RowParallelLinear
@@ -309,8 +309,8 @@ def test_use_skinny_linear_rebinds_plain_linears_only(monkeypatch):
     few, many = torch.randn(1, 40).to(DEVICE), torch.randn(40, 40).to(DEVICE)
     expected = [model(few), model(many)]
     calls = []
-    kernel = skinny_gemm.skinny_linear
-    monkeypatch.setattr(skinny_gemm, "skinny_linear", lambda *a: calls.append(a[0].shape) or kernel(*a))
+    kernel = fast_linear.skinny_linear
+    monkeypatch.setattr(fast_linear, "skinny_linear", lambda *a: calls.append(a[0].shape) or kernel(*a))
     assert use_skinny_linear(model) == 3
     assert "forward" in vars(model[0]) and "forward" in vars(model[1]) and "forward" not in vars(model[3])
     assert model[2].matmul is not torch.nn.functional.linear
