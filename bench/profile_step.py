@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from enc2dec.bench.audio import synthetic_clip, whisper_prompt
 from enc2dec.engine import LLM, KvCacheConfig, LlmArgs, SamplingParams
 
 
@@ -43,15 +44,8 @@ def main() -> None:
         return cpu_profile(args, a)
     llm = LLM.from_args(args)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    whisper = llm.engine.is_whisper
-    vocab = llm.engine.hf_config.vocab_size
-    rng = np.random.default_rng(0)
-    if whisper:
-        prompts = [{"prompt": "", "multi_modal_data": {"audio": ((rng.standard_normal(16000 * 30) * 0.1
-                                                                 ).astype(np.float32), 16000)}}
-                   for _ in range(a.concurrency)]
-    else:
-        prompts = [rng.integers(10, min(30000, vocab - 1), a.input_len).tolist() for _ in range(a.concurrency)]
+    make_prompt = _prompt_maker(llm.engine, a.input_len)
+    prompts = [make_prompt() for _ in range(a.concurrency)]
     sp = SamplingParams(max_tokens=a.output_len, ignore_eos=True, temperature=0.0, detokenize=False)
     llm.generate(prompts, sp, use_tqdm=False)                           # warm-up
     sync()
@@ -90,6 +84,17 @@ def main() -> None:
                            kernels=[dict(name=n, calls=c, total_us=t) for n, (c, t) in rows]), f, indent=1)
 
 
+def _prompt_maker(core, input_len: int):
+    """Prompts for ``core``'s model: 30 s synthetic clips for Whisper (bench's own), else
+    ``input_len`` random token ids inside the vocabulary."""
+    rng = np.random.default_rng(0)
+    if core.is_whisper:
+        seeds = iter(range(1 << 30))
+        return lambda: whisper_prompt(synthetic_clip(30.0, next(seeds)))
+    vocab = core.hf_config.vocab_size
+    return lambda: rng.integers(10, min(30000, vocab - 1), input_len).tolist()
+
+
 def cpu_profile(args, a) -> None:
     """The engine loop on this thread under cProfile, refilled to C requests as they finish."""
     import cProfile
@@ -98,15 +103,8 @@ def cpu_profile(args, a) -> None:
     from enc2dec.engine.engine_core import EngineCore
 
     core = EngineCore(args)
-    rng = np.random.default_rng(0)
-    vocab = core.hf_config.vocab_size
+    prompt = _prompt_maker(core, a.input_len)
     sp = SamplingParams(max_tokens=a.output_len, ignore_eos=True, temperature=0.0, detokenize=False)
-
-    def prompt():
-        if core.is_whisper:
-            return {"prompt": "", "multi_modal_data": {"audio": (
-                (rng.standard_normal(16000 * 30) * 0.1).astype(np.float32), 16000)}}
-        return rng.integers(10, min(30000, vocab - 1), a.input_len).tolist()
 
     def loop(num_requests):
         done = started = steps = 0
