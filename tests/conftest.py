@@ -73,6 +73,15 @@ class RealWhisper:
     # manifest.jsonl: {"audio": file name beside it, "text": reference}
     manifest = property(lambda self: self._get("speech") / "manifest.jsonl")
 
+    def clips(self) -> tuple[list[dict], list[tuple]]:
+        """The LibriVox manifest rows and their audio as ``(float32 wave, sample rate)``."""
+        import json
+
+        import soundfile
+
+        rows = [json.loads(line) for line in open(self.manifest)]
+        return rows, [soundfile.read(str(self.manifest.parent / r["audio"]), dtype="float32") for r in rows]
+
 
 @pytest.fixture(scope="session")
 def real_whisper() -> RealWhisper:

@@ -4,7 +4,6 @@ Tiny random checkpoints rarely say EOS, so every search would end at the length 
 the ``*_eos`` variants raise EOS's logit bias so hypotheses finish at many lengths and the
 finished-hypothesis ranking, ``length_penalty`` and ``early_stopping`` rules all matter.
 """
-import json
 
 import numpy as np
 import pytest
@@ -144,10 +143,8 @@ def test_whisper_matches_transformers_beam_search(whisper):
 
 @pytest.mark.real
 def test_real_whisper_base_librivox_matches_transformers_beam_search(real_whisper):
-    import soundfile
 
-    rows = [json.loads(line) for line in open(real_whisper.manifest)]
-    waves = [soundfile.read(str(real_whisper.manifest.parent / r["audio"]), dtype="float32") for r in rows]
+    rows, waves = real_whisper.clips()
     ckpt = real_whisper.base
     hf = hf_whisper(ckpt)
     fe = WhisperFeatureExtractor.from_pretrained(ckpt)

@@ -84,13 +84,9 @@ def test_whisper_float32_on_gpu_with_device_log_mel_matches_transformers(whisper
 def test_real_whisper_tiny_en_float32_triton_matches_transformers(real_whisper):
     """Real weights through the GPU path (triton attention, device log-mel), float32: the same
     greedy tokens as transformers on every LibriVox clip."""
-    import json
-
-    import soundfile
     from transformers import WhisperFeatureExtractor
 
-    rows = [json.loads(line) for line in open(real_whisper.manifest)]
-    waves = [soundfile.read(str(real_whisper.manifest.parent / r["audio"]), dtype="float32") for r in rows]
+    rows, waves = real_whisper.clips()
     ckpt = str(real_whisper.tiny_en)
     hf = hf_whisper(ckpt, device="cuda")
     fe = WhisperFeatureExtractor.from_pretrained(ckpt)
@@ -110,15 +106,11 @@ def test_real_whisper_tiny_en_float32_triton_matches_transformers(real_whisper):
 def test_real_whisper_tiny_en_bfloat16_graphs_first_16_tokens(real_whisper):
     """Real weights in bf16 with CUDA graphs: the first 16 tokens identical to transformers'
     bf16 greedy output on at least 95 % of the inputs (the clips, and each clip's halves)."""
-    import json
 
-    import soundfile
     from transformers import WhisperFeatureExtractor
 
-    rows = [json.loads(line) for line in open(real_whisper.manifest)]
     waves = []
-    for r in rows:
-        wave, sr = soundfile.read(str(real_whisper.manifest.parent / r["audio"]), dtype="float32")
+    for wave, sr in real_whisper.clips()[1]:
         waves += [(wave, sr), (wave[:len(wave) // 2], sr), (wave[len(wave) // 2:], sr)]
     ckpt = str(real_whisper.tiny_en)
     hf = hf_whisper(ckpt, torch.bfloat16, "cuda")

@@ -1,5 +1,4 @@
 """The LLM API against transformers.generate in float32: identical greedy token ids."""
-import json
 
 import numpy as np
 import pytest
@@ -111,10 +110,8 @@ def test_whisper_prompt_replaces_the_prefix(whisper):
 
 @pytest.mark.real
 def test_real_whisper_librivox_matches_transformers(real_whisper):
-    import soundfile
 
-    rows = [json.loads(line) for line in open(real_whisper.manifest)]
-    waves = [soundfile.read(str(real_whisper.manifest.parent / r["audio"]), dtype="float32") for r in rows]
+    rows, waves = real_whisper.clips()
     for ckpt in (real_whisper.tiny_en, real_whisper.base):
         hf = hf_whisper(ckpt)
         fe = WhisperFeatureExtractor.from_pretrained(ckpt)
