@@ -1,10 +1,11 @@
 """Host data onto the GPU without stopping the host.
 
-``torch.tensor(data, device="cuda")`` copies from pageable memory, and CUDA makes such a copy
-wait until the stream's queued work is done: one call per step is enough to serialise the
-host with the GPU and silently undo the overlap scheduler (seen on an H200: 1.5 ms per call
-in a Whisper step, the GPU idle meanwhile). These helpers stage through pinned memory and copy
-asynchronously; PyTorch's pinned allocator keeps a staging block until its copy has run.
+``torch.tensor(data, device="cuda")`` is a blocking copy from pageable memory: the host
+returns only once the copy has run, which is after all the work already queued on the
+stream. One call per step is enough to serialise the host with the GPU and silently undo the
+overlap scheduler (seen on an H200: 1.5 ms per call in a Whisper step, the GPU idle
+meanwhile). These helpers stage through pinned memory and copy asynchronously; PyTorch's
+pinned allocator keeps a staging block until its copy has run.
 """
 from __future__ import annotations
 
