@@ -91,6 +91,17 @@ class DecodeGraphRunner:
         logger.info("captured %d decoder CUDA graphs (batch sizes %s) in %.1f s",
                     len(self.graphs), ",".join(map(str, self.sizes)), time.perf_counter() - t0)
 
+    def release(self) -> None:
+        """Destroy every graph and drop the pool. NCCL (2.26 and later) will not tear down a
+        communicator while a graph that captured one of its kernels exists: its abort spins until
+        those graphs are gone, so tensor-parallel shutdown calls this first."""
+        torch.cuda.synchronize(self.device)
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.logits.clear()
+        self.pool = None
+
     def _forward(self, ids, pos, meta):
         hidden = self.model.decode(ids, pos, meta, self.kv)                 # [b, d_model]
         return self.model.compute_logits(hidden[meta.last_token_indices])   # [b, vocab]

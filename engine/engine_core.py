@@ -310,7 +310,7 @@ class EngineCore:
         for rid in list(self._live):
             self.abort(rid, "engine shut down")
         runner, self.runner = self.runner, None
-        if hasattr(runner, "shutdown"):             # tensor parallel: stops the worker processes
+        if runner is not None:          # frees the CUDA graphs; tensor parallel also stops its workers
             runner.shutdown()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -225,6 +225,12 @@ class ModelRunner:
             event.record()
         return PendingStep([s.seq_id for s in so.seqs], sample, event, beam_ids)
 
+    def shutdown(self) -> None:
+        """Free the CUDA graphs (and their memory pool) now rather than at garbage collection."""
+        graphs, self.graphs = self.graphs, None
+        if graphs is not None:
+            graphs.release()
+
     def _sampling_state(self, s: ScheduledSeq) -> SeqSamplingState:
         per_seq = self.states[s.request_id]
         # Beams forked since admission share their request's state (beam search keeps no RNG).

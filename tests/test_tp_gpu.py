@@ -57,3 +57,29 @@ def test_bfloat16_tp2_cuda_graphs_match_tp2_eager(flan_t5, overlap):
                             cuda_graph_config=None)
     assert not info["cuda_graphs"]
     assert graphed == eager
+
+
+def test_tp2_bench_with_cuda_graphs_exits_when_done(flan_t5, tmp_path):
+    """A TP=2 bf16 bench (the decoder graphs capture the all-reduces) finishes and exits with
+    a complete report. NCCL's abort waits for every graph that captured the communicator, so
+    shutdown destroys the graphs first; before that, two flan-t5-xl runs hung after their work."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    report = tmp_path / "tp2.json"
+    cmd = [sys.executable, "-X", "faulthandler", "-m", "enc2dec.cli.main", "bench", "--model", flan_t5,
+           "--dtype", "bfloat16", "--tp-size", "2", "--input-len", "32", "--output-len", "16",
+           "--concurrency", "1,4", "--num-requests", "2,8", "--warmup", "0", "--quiet", "--report-json", str(report)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)             # faulthandler prints where every thread is
+        _, err = proc.communicate()
+        pytest.fail(f"TP=2 bench did not exit within 240 s; its threads:\n{err[-8000:]}")
+    assert proc.returncode == 0, err[-4000:]
+    rep = json.loads(report.read_text())
+    assert rep["complete"] and rep["engine_args"]["tensor_parallel_size"] == 2
+    assert [lv["completed"] for lv in rep["levels"]] == [2, 8]
