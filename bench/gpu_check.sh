@@ -6,6 +6,7 @@
 #   ablate   graphs off / overlap off / torch attention / skinny GEMV off at C=1 and 64 (T5;
 #            Whisper too for the variants named in WHISPER_ABLATE)
 #   whisper  whisper-large-v3 30 s/96 tokens at WHISPER_CONC against BASELINES
+#   wtok     whisper-large-v3 at C=64 for each per-step token budget in WTOK (admission speed)
 #   rtf      bench/transcribe_rtf.sh (10 minutes of audio, both long-form strategies)
 #   eval     enc2dec eval on the real LibriVox manifest with real Whisper base, bf16, vs HF
 #   beam     bench/beam_check.sh (if present);  tp  bench/tp_check.sh (if present)
@@ -89,6 +90,9 @@ for section in $SECTIONS; do
     done ;;
   whisper) run whisper ${WHISPER_LIMIT_S:-300} $WH --concurrency ${WHISPER_CONC:-1,8,32,64} \
         --num-requests ${WHISPER_NUM:-4,16,64,128} --warmup 1 --baseline "$BASELINES" ;;
+  wtok) for t in ${WTOK:-8192 24576}; do
+      run "whisper-mnt$t" ${WTOK_LIMIT_S:-100} $WH --concurrency 64 --num-requests 128 --warmup 1 --max-num-tokens $t
+    done ;;
   rtf) OUT=$WORK RUN_LIMIT_S=${RTF_LIMIT_S:-100} timeout ${RTF_TOTAL_S:-400} bash bench/transcribe_rtf.sh 2>&1 | tail -7 ;;
   eval)
     if [ -d /tmp/real/whisper-base ] && [ -d /tmp/real/speech ]; then

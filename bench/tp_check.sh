@@ -17,7 +17,7 @@ timeout ${TEST_LIMIT_S:-180} python -m pytest -m gpu -q -p no:cacheprovider test
 echo "exit $?"; grep -E "passed|failed|skipped" "$OUT/tp_tests.log" | tail -1; grep -E "^FAILED|^ERROR" "$OUT/tp_tests.log" | head -8
 B="python -m enc2dec.cli.main bench"
 XL="--model google/flan-t5-xl --load-format dummy --dtype bfloat16 --input-len 128 --output-len 128 --quiet"
-for tp in 1 2; do
+for tp in ${TP_SIZES-1 2}; do          # TP_SIZES= (empty) runs the tests alone
   echo "enc2dec bench $XL --concurrency 1,64 --num-requests 4,64 --warmup 1 --tp-size $tp --report-json $OUT/xl-tp$tp.json" >>"$OUT/commands.txt"
   timeout ${BENCH_LIMIT_S:-150} $B $XL --concurrency 1,64 --num-requests 4,64 --warmup 1 --tp-size $tp \
       --report-json "$OUT/xl-tp$tp.json" >"$OUT/xl-tp$tp.log" 2>&1
