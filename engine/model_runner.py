@@ -108,6 +108,9 @@ class ModelRunner:
 
     def _maybe_capture(self, attn_backend: str, max_input_len: int):
         cfg = self.args.cuda_graph_config
+        if self.args.encoder_cuda_graph_config is not None and self.device.type == "cuda":
+            logger.warning("encoder_cuda_graph_config: encoder CUDA graphs are not built yet; encoder batches "
+                           "run eagerly (decoder steps, mixed ones included, use the decoder graphs)")
         if cfg is None or self.device.type != "cuda":
             return None
         if self.dtype == torch.float32:
