@@ -47,9 +47,20 @@ def _skinny_gemm_kernel(
              mask=mask_m[:, None] & mask_n[None, :])
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def launch_config(rows: int, n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) for an ``[rows, k] x [n, k]^T`` product."""
+    block_m = max(1, 1 << (rows - 1).bit_length())
+    block_n = 8 if n >= 4096 else 4
+    block_k = 512 if block_m <= 2 else 256 if block_m <= 8 else 128
+    return block_n, block_k, 4
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                  block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None
+                  ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x [..., K]`` with at most ``MAX_ROWS`` rows;
-    ``weight [N, K]`` row-major. More rows (or no Triton) fall back to ``F.linear``."""
+    ``weight [N, K]`` row-major. More rows (or no Triton) fall back to ``F.linear``.
+    ``block_n``/``block_k``/``num_warps`` override ``launch_config`` (bench/tune_skinny.py)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if rows > MAX_ROWS or rows == 0 or not can_use_triton(x, weight) or weight.stride(-1) != 1:
         return skinny_linear_ref(x, weight, bias)
@@ -59,10 +70,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         x2 = x2.contiguous()
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     block_m = max(1, 1 << (rows - 1).bit_length())
-    block_n = 8 if n >= 4096 else 4
-    block_k = 512 if block_m <= 2 else 256 if block_m <= 8 else 128
+    default_n, default_k, default_warps = launch_config(rows, n, k)
+    block_n, block_k, num_warps = block_n or default_n, block_k or default_k, num_warps or default_warps
     grid = ((n + block_n - 1) // block_n,)
     _skinny_gemm_kernel[grid](x2, weight, bias if bias is not None else weight, out, rows, n, k,
                               x2.stride(0), weight.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
-                              BLOCK_K=block_k, HAS_BIAS=bias is not None, num_warps=4)
+                              BLOCK_K=block_k, HAS_BIAS=bias is not None, num_warps=num_warps)
     return out.view(*x.shape[:-1], n)
