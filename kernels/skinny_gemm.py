@@ -48,7 +48,16 @@ def _skinny_gemm_kernel(
 
 
 def launch_config(rows: int, n: int, k: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) for an ``[rows, k] x [n, k]^T`` product."""
+    """(BLOCK_N, BLOCK_K, num_warps) for an ``[rows, k] x [n, k]^T`` product.
+
+    Single rows: one warp per program streaming long K runs, narrower programs (more of
+    them) for narrow outputs. Chosen from bench/tune_skinny.py on an H200 (docs/benchmarks.md,
+    run H): per call, flan-t5-large's six shapes and LM head 35.8 us against 44.8 us with the
+    earlier (4 or 8, 512, 4 warps) and 41.8 us with cuBLAS."""
+    if rows == 1:
+        if n <= 1536:
+            return (1 if k > 2048 else 2), 1024, 1
+        return 4, 512, 1
     block_m = max(1, 1 << (rows - 1).bit_length())
     block_n = 8 if n >= 4096 else 4
     block_k = 512 if block_m <= 2 else 256 if block_m <= 8 else 128
