@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 
@@ -28,7 +29,10 @@ tl = None  # triton.language, bound by lazy_jit at the first launch (annotations
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 16
-_MIN_KEYS_PER_SPLIT = 32
+# Fewest keys a split gets. In a CUDA graph the split count is fixed at capture from the
+# longest sequence the graph admits, so small batches of short sequences still pay the split
+# and merge; ENC2DEC_ATTN_MIN_KEYS_PER_SPLIT trades that against long sequences (tuning knob).
+_MIN_KEYS_PER_SPLIT = int(os.environ.get("ENC2DEC_ATTN_MIN_KEYS_PER_SPLIT", "32"))
 _PROGRAMS_PER_SM = 16
 
 
