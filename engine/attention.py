@@ -27,12 +27,18 @@ from .config import canonical_backend_name
 
 @dataclass
 class EncoderMetadata:
-    """A packed encoder microbatch of ``B`` requests."""
+    """A packed encoder microbatch of ``B`` requests.
+
+    Padded layout (encoder CUDA graphs): every sequence occupies ``L`` tokens (``seq_lens`` is
+    ``[L] * B``, ``cu_seqlens`` steps by ``L``) and ``padded_lens`` holds the real lengths on
+    the device; keys past a sequence's real length are masked, the padding tokens' outputs are
+    garbage and their cross slots are -1 (never stored)."""
 
     cu_seqlens: torch.Tensor          # [B + 1] int32, on device
     seq_lens: list[int]               # host copy
     positions: torch.Tensor | None    # [num_tokens] int64 (text encoders), None for Whisper
     cross_slot_mapping: torch.Tensor  # [num_tokens] int64: cross-pool slot of every encoder position
+    padded_lens: torch.Tensor | None = None   # [B] int32 real lengths, padded layout only
 
     @property
     def max_seqlen(self) -> int:
@@ -112,26 +118,29 @@ class TorchAttentionBackend:
     def encoder_attention(self, q, k, v, meta: EncoderMetadata, scale: float,
                           bias_table: torch.Tensor | None = None) -> torch.Tensor:
         # q, k, v: [num_tokens, num_heads, head_dim] packed by meta.cu_seqlens
-        out = torch.empty_like(q)
+        out = torch.zeros_like(q)
         starts = meta.cu_seqlens.tolist()
-        for i, n in enumerate(meta.seq_lens):
+        keys = meta.seq_lens if meta.padded_lens is None else meta.padded_lens.tolist()
+        for i, (n, nk) in enumerate(zip(meta.seq_lens, keys)):
             s = starts[i]
-            qi, ki, vi = (t[s:s + n].transpose(0, 1) for t in (q, k, v))  # [H, n, D]
+            qi = q[s:s + n].transpose(0, 1)                              # [H, n, D]
+            ki, vi = (t[s:s + nk].transpose(0, 1) for t in (k, v))      # [H, nk, D]
             bias = None
             if bias_table is not None:
                 L = (bias_table.shape[1] + 1) // 2
-                pos = torch.arange(n, device=q.device)
-                rel = pos[None, :] - pos[:, None] + L - 1               # [n, n] k_pos - q_pos
-                bias = bias_table[:, rel].to(q.dtype)                    # [H, n, n]
+                rel = (torch.arange(nk, device=q.device)[None, :] - torch.arange(n, device=q.device)[:, None]
+                       + L - 1)                                           # [n, nk] k_pos - q_pos
+                bias = bias_table[:, rel].to(q.dtype)                    # [H, n, nk]
             o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=bias, scale=scale)
             out[s:s + n] = o.transpose(0, 1)
         return out
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
-        # k, v: [N, H, D]; slot_mapping: [N]
-        slots = slot_mapping.long()
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
+        # k, v: [N, H, D]; slot_mapping: [N], a negative slot (padding) is skipped
+        keep = slot_mapping >= 0
+        slots = slot_mapping[keep].long()
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k[keep].to(k_cache.dtype))
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v[keep].to(v_cache.dtype))
 
     def self_attention(self, q, k_cache, v_cache, meta: DecoderMetadata, scale: float,
                        bias_table: torch.Tensor | None = None) -> torch.Tensor:

@@ -135,7 +135,9 @@ class CudaGraphConfig:
 
 @dataclass(frozen=True)
 class EncodeCudaGraphConfig:
-    """Encoder graphs per (batch, packed tokens, max sequence length) bucket."""
+    """Encoder graphs per (batch, sequence length) bucket over a padded layout; ``num_tokens``
+    caps a bucket's padded tokens (``batch * length``). Off unless given (opt-in until
+    measured on a GPU; docs/architecture.md)."""
 
     batch_sizes: tuple[int, ...] | None = None
     num_tokens: tuple[int, ...] | None = None

@@ -1,4 +1,4 @@
-"""CUDA graphs for decoder steps, applied from outside the model.
+"""CUDA graphs for decoder steps and encoder batches, applied from outside the model.
 
 One graph per padded batch size in the capture grid, each recording
 ``model.decode`` + ``model.compute_logits`` over static input buffers. A step whose
@@ -9,9 +9,15 @@ captured widths replays the smallest graph that holds it; anything else runs eag
 Padding rows write nowhere (slot -1) and attend to one position of block 0; their
 logits are dropped. Attention split counts are fixed at capture for the longest
 sequence, which is safe because the kernels mask by the per-sequence lengths.
+
+Encoder graphs (``EncoderGraphRunner``, only with ``encoder_cuda_graph_config``) record
+``model.encode`` + ``write_cross_kv`` per (batch, length) bucket over the padded layout of
+``EncoderMetadata``: each request takes ``L`` token slots, keys past its real length are
+masked, padding tokens and padding requests write to slot -1. Whisper has one length (1500).
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -19,7 +25,7 @@ import time
 import numpy as np
 import torch
 
-from .attention import DecoderMetadata
+from .attention import DecoderMetadata, EncoderMetadata
 from .host_to_device import to_device
 
 logger = logging.getLogger("enc2dec")
@@ -95,10 +101,7 @@ class DecodeGraphRunner:
         """Destroy every graph and drop the pool. NCCL (2.26 and later) will not tear down a
         communicator while a graph that captured one of its kernels exists: its abort spins until
         those graphs are gone, so tensor-parallel shutdown calls this first."""
-        torch.cuda.synchronize(self.device)
-        for graph in self.graphs.values():
-            graph.reset()
-        self.graphs.clear()
+        _destroy(self.graphs, self.device)
         self.logits.clear()
         self.pool = None
 
@@ -176,3 +179,119 @@ def fill_staging(h64: np.ndarray, h32: np.ndarray, seqs, B: int, tpb: int, self_
     h32[2 * B + 1:2 * B + 1 + n] = [s.encoder_len for s in seqs]
     _scatter_rows(h32[o_bt:o_cbt].reshape(B, self_width), [s.block_ids for s in seqs])
     _scatter_rows(h32[o_cbt:o_cbt + B * cross_width].reshape(B, cross_width), [s.cross_block_ids for s in seqs])
+
+
+def encoder_buckets(cfg, max_batch: int, max_tokens: int, max_len: int, fixed_len: int | None = None
+                    ) -> list[tuple[int, int]]:
+    """The (batch, length) buckets to capture: ``cfg.batch_sizes`` (default 1, 2, 4 ... 32) up to
+    ``max_batch``, ``cfg.seq_lens`` (default 64, 128 ... up to ``max_len``, which is always
+    included) or the model's one ``fixed_len``, and at most ``max_tokens`` (and
+    ``max(cfg.num_tokens)``, when given) padded tokens per bucket."""
+    batches = [b for b in (cfg.batch_sizes or (1, 2, 4, 8, 16, 32)) if b <= max_batch]
+    if fixed_len is not None:
+        lens = [fixed_len]
+    elif cfg.seq_lens:
+        lens = [n for n in cfg.seq_lens if n <= max_len]
+    else:
+        lens = sorted({n for n in (64 << i for i in range(12)) if n < max_len} | {max_len})
+    cap = min(max_tokens, max(cfg.num_tokens)) if cfg.num_tokens else max_tokens
+    return sorted((b, n) for b in batches for n in lens if b * n <= cap)
+
+
+class EncoderGraphRunner:
+    def __init__(self, model, kv, device, buckets: list[tuple[int, int]], tokens_per_block: int,
+                 pad_batch: bool, whisper_mels: int | None = None, dtype: torch.dtype = torch.bfloat16):
+        self.model, self.kv, self.device = model, kv, device
+        self.tpb = tokens_per_block
+        self.pad_batch = pad_batch
+        self.whisper_mels, self.dtype = whisper_mels, dtype
+        self.buckets = sorted(buckets, key=lambda bl: (bl[0] * bl[1], bl[0]))     # cheapest first
+        self.static: dict[tuple[int, int], tuple[torch.Tensor, EncoderMetadata]] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.pool = None
+        for b, n in self.buckets:
+            self.static[(b, n)] = self._buffers(b, n)
+
+    def _buffers(self, b: int, n: int) -> tuple[torch.Tensor, EncoderMetadata]:
+        dev = self.device
+        if self.whisper_mels is not None:        # every clip is n positions: no key padding
+            inputs = torch.zeros(b, self.whisper_mels, 2 * n, dtype=self.dtype, device=dev)
+            positions = lens = None
+        else:
+            inputs = torch.zeros(b * n, dtype=torch.long, device=dev)
+            positions = torch.arange(n, device=dev).repeat(b)
+            lens = torch.ones(b, dtype=torch.int32, device=dev)
+        meta = EncoderMetadata(
+            cu_seqlens=torch.arange(0, (b + 1) * n, n, dtype=torch.int32, device=dev), seq_lens=[n] * b,
+            positions=positions, cross_slot_mapping=torch.full((b * n,), -1, dtype=torch.long, device=dev),
+            padded_lens=lens)
+        return inputs, meta
+
+    def _forward(self, inputs: torch.Tensor, meta: EncoderMetadata) -> None:
+        self.model.write_cross_kv(self.model.encode(inputs, meta), meta, self.kv)
+
+    def capture(self) -> None:
+        t0 = time.perf_counter()
+        for bucket in sorted(self.buckets, key=lambda bl: -bl[0] * bl[1]):    # largest first: one pool
+            inputs, meta = self.static[bucket]
+            for _ in range(2):                     # warm up: kernels compile, the bias table is built
+                self._forward(inputs, meta)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                # A fresh metadata object: the backend caches per-batch masks by identity, and
+                # the captured graph must rebuild them from the static lengths at every replay.
+                self._forward(inputs, dataclasses.replace(meta))
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[bucket] = graph
+        torch.cuda.synchronize(self.device)
+        logger.info("captured %d encoder CUDA graphs ((batch, length) %s) in %.1f s", len(self.graphs),
+                    " ".join(f"{b}x{n}" for b, n in self.buckets), time.perf_counter() - t0)
+
+    def pick(self, encodes) -> tuple[int, int] | None:
+        """The cheapest bucket holding this batch (batch padded only with ``pad_batch``)."""
+        count, longest = len(encodes), max(e.encoder_len for e in encodes)
+        for b, n in self.buckets:
+            if (b >= count if self.pad_batch else b == count) and n >= longest:
+                return b, n
+        return None
+
+    def run(self, encodes, bucket: tuple[int, int], features: torch.Tensor | None = None,
+            replay: bool = True) -> None:
+        """Lay ``encodes`` out in ``bucket``'s static buffers and replay its graph (Whisper:
+        ``features`` [count, n_mels, frames] already on the device)."""
+        b, n = bucket
+        inputs, meta = self.static[bucket]
+        slots = np.full(b * n, -1, dtype=np.int64)
+        for i, e in enumerate(encodes):
+            pos = np.arange(e.encoder_len)
+            blocks = np.asarray(e.cross_block_ids, dtype=np.int64)
+            slots[i * n:i * n + e.encoder_len] = blocks[pos // self.tpb] * self.tpb + pos % self.tpb
+        meta.cross_slot_mapping.copy_(to_device(slots, torch.long, self.device), non_blocking=True)
+        if features is not None:
+            inputs[:len(encodes)].copy_(features)
+        else:
+            ids = np.zeros(b * n, dtype=np.int64)
+            lens = np.ones(b, dtype=np.int32)
+            for i, e in enumerate(encodes):
+                ids[i * n:i * n + e.encoder_len] = e.encoder_input
+                lens[i] = e.encoder_len
+            inputs.copy_(to_device(ids, torch.long, self.device), non_blocking=True)
+            meta.padded_lens.copy_(to_device(lens, torch.int32, self.device), non_blocking=True)
+        if replay:
+            self.graphs[bucket].replay()
+        else:                                       # eager over the same buffers (CPU tests)
+            self._forward(inputs, dataclasses.replace(meta))
+
+    def release(self) -> None:
+        """Destroy the graphs (before any NCCL communicator they captured closes)."""
+        _destroy(self.graphs, self.device)
+        self.pool = None
+
+
+def _destroy(graphs: dict, device: torch.device) -> None:
+    torch.cuda.synchronize(device)
+    for graph in graphs.values():
+        graph.reset()
+    graphs.clear()

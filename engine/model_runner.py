@@ -105,12 +105,10 @@ class ModelRunner:
         self._prev_tokens: torch.Tensor | None = None     # last step's samples, on the device
         self._prev_rows: dict[int, int] = {}              # seq_id -> row in _prev_tokens
         self.graphs = self._maybe_capture(attn_backend, max_input_len)
+        self.encoder_graphs = self._maybe_capture_encoder(max_input_len) if self.graphs is not None else None
 
     def _maybe_capture(self, attn_backend: str, max_input_len: int):
         cfg = self.args.cuda_graph_config
-        if self.args.encoder_cuda_graph_config is not None and self.device.type == "cuda":
-            logger.warning("encoder_cuda_graph_config: encoder CUDA graphs are not built yet; encoder batches "
-                           "run eagerly (decoder steps, mixed ones included, use the decoder graphs)")
         if cfg is None or self.device.type != "cuda":
             return None
         if self.dtype == torch.float32:
@@ -127,6 +125,29 @@ class ModelRunner:
         max_dec = self.args.max_seq_len or self.model.max_decoder_positions or 512
         runner = DecodeGraphRunner(self.model, self.kv, self.device, sizes, max_dec, max_input_len,
                                    self.tokens_per_block)
+        runner.capture()
+        return runner
+
+    def _maybe_capture_encoder(self, max_input_len: int):
+        """Encoder graphs, only with ``encoder_cuda_graph_config`` (and where decoder graphs run:
+        CUDA, bf16/fp16, triton). Opt-in until measured on a GPU (docs/architecture.md)."""
+        cfg, a = self.args.encoder_cuda_graph_config, self.args
+        if cfg is None:
+            return None
+        from .cuda_graph import EncoderGraphRunner, encoder_buckets
+
+        max_len = min(max_input_len, self.model.max_encoder_positions or max_input_len)
+        max_tokens = min(a.encoder_max_num_tokens or a.max_num_tokens, a.max_num_tokens)
+        buckets = encoder_buckets(cfg, a.encoder_max_batch_size or a.max_batch_size, max_tokens, max_len,
+                                  fixed_len=max_len if self.is_whisper else None)
+        if not buckets:
+            logger.warning("encoder_cuda_graph_config: no (batch, length) bucket fits max_num_tokens=%d; "
+                           "encoder batches run eagerly", max_tokens)
+            return None
+        runner = EncoderGraphRunner(self.model, self.kv, self.device, buckets, self.tokens_per_block,
+                                    pad_batch=cfg.enable_padding,
+                                    whisper_mels=self.model.config.num_mel_bins if self.is_whisper else None,
+                                    dtype=self.dtype)
         runner.capture()
         return runner
 
@@ -229,10 +250,12 @@ class ModelRunner:
         return PendingStep([s.seq_id for s in so.seqs], sample, event, beam_ids)
 
     def shutdown(self) -> None:
-        """Free the CUDA graphs (and their memory pool) now rather than at garbage collection."""
-        graphs, self.graphs = self.graphs, None
-        if graphs is not None:
-            graphs.release()
+        """Free the CUDA graphs (and their memory pools) now rather than at garbage collection."""
+        for name in ("graphs", "encoder_graphs"):
+            graphs = getattr(self, name, None)
+            setattr(self, name, None)
+            if graphs is not None:
+                graphs.release()
 
     def _sampling_state(self, s: ScheduledSeq) -> SeqSamplingState:
         per_seq = self.states[s.request_id]
@@ -269,6 +292,11 @@ class ModelRunner:
             self.states[enc.request_id] = per_seq
 
     def _run_encoder(self, encodes: list[ScheduledEncode]) -> None:
+        bucket = self.encoder_graphs.pick(encodes) if self.encoder_graphs is not None else None
+        if bucket is not None:
+            features = self._whisper_features(encodes) if self.is_whisper else None
+            self.encoder_graphs.run(encodes, bucket, features)
+            return
         dev, tpb = self.device, self.tokens_per_block
         lens = [e.encoder_len for e in encodes]
         cu = [0]
@@ -279,10 +307,7 @@ class ModelRunner:
             slots += _slots(e.cross_block_ids, 0, e.encoder_len, tpb)
         positions = None
         if self.is_whisper:
-            inputs = torch.stack([to_device(e.encoder_input, None, dev) for e in encodes])
-            if inputs.dim() == 2:                       # raw 30 s waves: features on the device
-                inputs = self.log_mel(inputs)           # [B, n_mels, 3000]
-            inputs = inputs.to(self.dtype)
+            inputs = self._whisper_features(encodes)
         else:
             flat = [t for e in encodes for t in e.encoder_input]
             inputs = to_device(flat, torch.long, dev)
@@ -292,6 +317,12 @@ class ModelRunner:
             cross_slot_mapping=to_device(slots, torch.long, dev))
         enc_hidden = self.model.encode(inputs, meta)                # [num_enc_tokens, d_model]
         self.model.write_cross_kv(enc_hidden, meta, self.kv)
+
+    def _whisper_features(self, encodes: list[ScheduledEncode]) -> torch.Tensor:
+        inputs = torch.stack([to_device(e.encoder_input, None, self.device) for e in encodes])
+        if inputs.dim() == 2:                       # raw 30 s waves: features on the device
+            inputs = self.log_mel(inputs)           # [B, n_mels, 3000]
+        return inputs.to(self.dtype)
 
     def _prepare_decode(self, seqs: list[ScheduledSeq], fill=()):
         dev, tpb = self.device, self.tokens_per_block

@@ -35,7 +35,8 @@ class TritonAttentionBackend:
         batch, max_len = meta.batch_size, meta.max_seqlen
         prep = self._prepare_encoder(meta, bias_table, q.dtype, q.device, num_tokens)
         if num_tokens == batch * max_len:
-            # Equal lengths (every Whisper batch): a plain reshape, no padding mask.
+            # Equal lengths (every Whisper batch), or the padded layout of an encoder graph
+            # (its key-padding mask built from the device lengths): a plain reshape.
             qb, kb, vb = (t.reshape(batch, max_len, num_heads, head_dim).transpose(1, 2) for t in (q, k, v))
             o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=prep["mask"], scale=scale)   # [B, H, L, D]
             return o.transpose(1, 2).reshape(num_tokens, num_heads, head_dim)
@@ -57,16 +58,20 @@ class TritonAttentionBackend:
             rel = (pos[None, :] - pos[:, None] + (width - 1) // 2).clamp(0, width - 1)   # [L, L] k - q
             bias = bias_table[:, rel].to(dtype)[None]                         # [1, H, L, L]
         prep = {"mask": bias}
-        if num_tokens != batch * max_len:
+        lens = None                                                           # [B] real lengths
+        if meta.padded_lens is not None:
+            lens = meta.padded_lens.long()
+        elif num_tokens != batch * max_len:
             cu = meta.cu_seqlens.long()                                       # [B + 1]
-            lens = cu[1:] - cu[:-1]                                           # [B]
+            lens = cu[1:] - cu[:-1]
             prep["index"] = (cu[:-1, None] + pos[None, :]).clamp(max=num_tokens - 1)   # [B, L]
+            prep["seq"] = token_seq_index(cu, num_tokens)                     # [T]
+            prep["offset"] = torch.arange(num_tokens, device=device) - cu[prep["seq"]]   # [T]
+        if lens is not None:
             is_pad = pos[None, :] >= lens[:, None]                            # [B, L]
             mask = torch.zeros((batch, 1, 1, max_len), dtype=dtype, device=device)
             mask.masked_fill_(is_pad[:, None, None, :], float("-inf"))        # [B, 1, 1, L]
             prep["mask"] = mask if bias is None else mask + bias              # [B, H|1, L, L]
-            prep["seq"] = token_seq_index(cu, num_tokens)                     # [T]
-            prep["offset"] = torch.arange(num_tokens, device=device) - cu[prep["seq"]]   # [T]
         self._enc_prep = (meta, bias_table, dtype, prep)
         return prep
 
