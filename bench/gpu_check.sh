@@ -6,6 +6,7 @@
 #   ablate   graphs off / overlap off / torch attention / skinny GEMV off at C=1 and 64 (T5;
 #            Whisper too for the variants named in WHISPER_ABLATE)
 #   whisper  whisper-large-v3 30 s/96 tokens at WHISPER_CONC against BASELINES
+#   egraph   encoder CUDA graphs on (opt-in): flan-t5-large C=1,8,64 and whisper-large-v3 C=1,64
 #   wtok     whisper-large-v3 at C=64 for each per-step token budget in WTOK (admission speed)
 #   rtf      bench/transcribe_rtf.sh (10 minutes of audio, both long-form strategies)
 #   eval     enc2dec eval on the real LibriVox manifest with real Whisper base, bf16, vs HF
@@ -65,7 +66,7 @@ for section in $SECTIONS; do
   case $section in
   tests)
     timeout ${TEST_LIMIT_S:-240} python -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_engine.py \
-        tests/test_kernels_gpu.py tests/test_kernels.py $(ls tests/test_*gpu*.py | grep -v -e test_gpu_engine -e test_kernels_gpu -e test_tp_gpu) \
+        tests/test_kernels_gpu.py tests/test_kernels.py tests/test_encoder_graphs.py $(ls tests/test_*gpu*.py | grep -v -e test_gpu_engine -e test_kernels_gpu -e test_tp_gpu) \
         >"$WORK/gpu_tests.log" 2>&1
     echo "exit $?"; grep -E "passed|failed" "$WORK/gpu_tests.log" | tail -1
     grep -E "^FAILED|^ERROR" "$WORK/gpu_tests.log" | head -8 ;;
@@ -90,6 +91,10 @@ for section in $SECTIONS; do
     done ;;
   whisper) run whisper ${WHISPER_LIMIT_S:-300} $WH --concurrency ${WHISPER_CONC:-1,8,32,64} \
         --num-requests ${WHISPER_NUM:-4,16,64,128} --warmup 1 --baseline "$BASELINES" ;;
+  egraph)
+    printf 'encoder_cuda_graph_config:\n  enable_padding: true\n' >"$WORK/egraph.yaml"
+    run t5-egraph ${EGRAPH_LIMIT_S:-150} $T5 --config "$WORK/egraph.yaml" --concurrency 1,8,64 --num-requests 8,32,128 --warmup 2
+    run whisper-egraph ${EGRAPH_LIMIT_S:-150} $WH --config "$WORK/egraph.yaml" --concurrency 1,64 --num-requests 4,128 --warmup 1 ;;
   wtok) for t in ${WTOK:-8192 24576}; do
       run "whisper-mnt$t" ${WTOK_LIMIT_S:-100} $WH --concurrency 64 --num-requests 128 --warmup 1 --max-num-tokens $t
     done ;;
