@@ -23,6 +23,13 @@ def blocks_needed(num_tokens: int, tokens_per_block: int) -> int:
     return -(-num_tokens // tokens_per_block)
 
 
+def slot_ids(block_ids: list[int], start: int, count: int, tokens_per_block: int) -> list[int]:
+    """Cache slots of positions ``start .. start + count - 1`` of a sequence holding ``block_ids``
+    (slot ``s`` is block ``s // tokens_per_block``, offset ``s % tokens_per_block``)."""
+    return [block_ids[p // tokens_per_block] * tokens_per_block + p % tokens_per_block
+            for p in range(start, start + count)]
+
+
 class BlockPool:
     """``num_blocks`` blocks, each free or held by one or more owners."""
 

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from .attention import DecoderMetadata, EncoderMetadata
+from .block_manager import slot_ids
 from .host_to_device import to_device
 
 logger = logging.getLogger("enc2dec")
@@ -181,6 +182,28 @@ def fill_staging(h64: np.ndarray, h32: np.ndarray, seqs, B: int, tpb: int, self_
     _scatter_rows(h32[o_cbt:o_cbt + B * cross_width].reshape(B, cross_width), [s.cross_block_ids for s in seqs])
 
 
+def uniform_encoder_batch(batch: int, length: int, device: torch.device, dtype: torch.dtype,
+                          whisper_mels: int | None = None, padded: bool = False
+                          ) -> tuple[torch.Tensor, EncoderMetadata]:
+    """``batch`` zero inputs of ``length`` encoder positions each, with their metadata: token ids
+    ``[batch * length]``, or Whisper features ``[batch, whisper_mels, 2 * length]`` (two frames
+    per position). Every cross slot is -1. ``padded``: text lengths as the device tensor
+    ``padded_lens`` (ones; the padded layout of the encoder graphs)."""
+    if whisper_mels is not None:
+        inputs = torch.zeros(batch, whisper_mels, 2 * length, dtype=dtype, device=device)
+        positions = None
+    else:
+        inputs = torch.zeros(batch * length, dtype=torch.long, device=device)
+        positions = torch.arange(length, device=device).repeat(batch)
+    meta = EncoderMetadata(
+        cu_seqlens=torch.arange(0, (batch + 1) * length, length, dtype=torch.int32, device=device),
+        seq_lens=[length] * batch, positions=positions,
+        cross_slot_mapping=torch.full((batch * length,), -1, dtype=torch.long, device=device),
+        padded_lens=(torch.ones(batch, dtype=torch.int32, device=device)
+                     if padded and whisper_mels is None else None))
+    return inputs, meta
+
+
 def encoder_buckets(cfg, max_batch: int, max_tokens: int, max_len: int, fixed_len: int | None = None
                     ) -> list[tuple[int, int]]:
     """The (batch, length) buckets to capture: ``cfg.batch_sizes`` (default 1, 2, 4 ... 32) up to
@@ -210,22 +233,7 @@ class EncoderGraphRunner:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
         for b, n in self.buckets:
-            self.static[(b, n)] = self._buffers(b, n)
-
-    def _buffers(self, b: int, n: int) -> tuple[torch.Tensor, EncoderMetadata]:
-        dev = self.device
-        if self.whisper_mels is not None:        # every clip is n positions: no key padding
-            inputs = torch.zeros(b, self.whisper_mels, 2 * n, dtype=self.dtype, device=dev)
-            positions = lens = None
-        else:
-            inputs = torch.zeros(b * n, dtype=torch.long, device=dev)
-            positions = torch.arange(n, device=dev).repeat(b)
-            lens = torch.ones(b, dtype=torch.int32, device=dev)
-        meta = EncoderMetadata(
-            cu_seqlens=torch.arange(0, (b + 1) * n, n, dtype=torch.int32, device=dev), seq_lens=[n] * b,
-            positions=positions, cross_slot_mapping=torch.full((b * n,), -1, dtype=torch.long, device=dev),
-            padded_lens=lens)
-        return inputs, meta
+            self.static[(b, n)] = uniform_encoder_batch(b, n, device, dtype, whisper_mels, padded=True)
 
     def _forward(self, inputs: torch.Tensor, meta: EncoderMetadata) -> None:
         self.model.write_cross_kv(self.model.encode(inputs, meta), meta, self.kv)
@@ -265,9 +273,7 @@ class EncoderGraphRunner:
         inputs, meta = self.static[bucket]
         slots = np.full(b * n, -1, dtype=np.int64)
         for i, e in enumerate(encodes):
-            pos = np.arange(e.encoder_len)
-            blocks = np.asarray(e.cross_block_ids, dtype=np.int64)
-            slots[i * n:i * n + e.encoder_len] = blocks[pos // self.tpb] * self.tpb + pos % self.tpb
+            slots[i * n:i * n + e.encoder_len] = slot_ids(e.cross_block_ids, 0, e.encoder_len, self.tpb)
         meta.cross_slot_mapping.copy_(to_device(slots, torch.long, self.device), non_blocking=True)
         if features is not None:
             inputs[:len(encodes)].copy_(features)

@@ -13,6 +13,7 @@ import torch
 
 from .attention import DecoderMetadata, EncoderMetadata, KVCache, get_attention_backend
 from .batch import BeamCandidate, ModelRunnerOutput, SampledToken, ScheduledEncode, ScheduledSeq, SchedulerOutput
+from .block_manager import slot_ids
 from .distributed import SINGLE, TensorParallelGroup
 from .fast_linear import skinny_linear_enabled, use_skinny_linear
 from .host_to_device import to_device
@@ -46,11 +47,6 @@ class PendingStep:
             seq_id: SampledToken(out.token_ids[i], out.logprobs[i] if out.logprobs is not None else 0.0,
                                  out.top_logprobs[i] if out.top_logprobs is not None else None)
             for i, seq_id in enumerate(self.seq_ids)}, beams)
-
-
-def _slots(block_ids: list[int], start: int, count: int, tokens_per_block: int) -> list[int]:
-    return [block_ids[p // tokens_per_block] * tokens_per_block + p % tokens_per_block
-            for p in range(start, start + count)]
 
 
 def _beam_groups(seqs: list[ScheduledSeq], states: list[SeqSamplingState]):
@@ -131,23 +127,19 @@ class ModelRunner:
     def _maybe_capture_encoder(self, max_input_len: int):
         """Encoder graphs, only with ``encoder_cuda_graph_config`` (and where decoder graphs run:
         CUDA, bf16/fp16, triton). Opt-in until measured on a GPU (docs/architecture.md)."""
-        cfg, a = self.args.encoder_cuda_graph_config, self.args
+        cfg = self.args.encoder_cuda_graph_config
         if cfg is None:
             return None
         from .cuda_graph import EncoderGraphRunner, encoder_buckets
 
-        max_len = min(max_input_len, self.model.max_encoder_positions or max_input_len)
-        max_tokens = min(a.encoder_max_num_tokens or a.max_num_tokens, a.max_num_tokens)
-        buckets = encoder_buckets(cfg, a.encoder_max_batch_size or a.max_batch_size, max_tokens, max_len,
-                                  fixed_len=max_len if self.is_whisper else None)
+        max_len, max_tokens, max_batch = self._encoder_limits(max_input_len)
+        buckets = encoder_buckets(cfg, max_batch, max_tokens, max_len, fixed_len=max_len if self.is_whisper else None)
         if not buckets:
             logger.warning("encoder_cuda_graph_config: no (batch, length) bucket fits max_num_tokens=%d; "
                            "encoder batches run eagerly", max_tokens)
             return None
         runner = EncoderGraphRunner(self.model, self.kv, self.device, buckets, self.tokens_per_block,
-                                    pad_batch=cfg.enable_padding,
-                                    whisper_mels=self.model.config.num_mel_bins if self.is_whisper else None,
-                                    dtype=self.dtype)
+                                    pad_batch=cfg.enable_padding, whisper_mels=self._whisper_mels, dtype=self.dtype)
         runner.capture()
         return runner
 
@@ -156,20 +148,19 @@ class ModelRunner:
         """The largest encoder microbatch admission allows, on dummy inputs: ``(inputs, meta)``.
         Every index stays inside the model's tables (a BART position past
         ``max_position_embeddings`` is a device-side assert on the GPU, fatal to the process)."""
-        a, dev = self.args, self.device
+        from .cuda_graph import uniform_encoder_batch
+
+        length, tokens, max_batch = self._encoder_limits(max_input_len)
+        batch = max(1, min(max_batch, tokens // length))
+        return uniform_encoder_batch(batch, length, self.device, self.dtype, self._whisper_mels)
+
+    def _encoder_limits(self, max_input_len: int) -> tuple[int, int, int]:
+        """(longest encoder input inside the model's position table, encoder tokens per step,
+        requests encoded per step): what admission allows one encoder microbatch."""
+        a = self.args
         length = min(max_input_len, self.model.max_encoder_positions or max_input_len)
         tokens = min(a.encoder_max_num_tokens or a.max_num_tokens, a.max_num_tokens)
-        batch = max(1, min(a.encoder_max_batch_size or a.max_batch_size, tokens // length))
-        meta = EncoderMetadata(
-            cu_seqlens=torch.arange(0, (batch + 1) * length, length, dtype=torch.int32, device=dev),
-            seq_lens=[length] * batch,
-            positions=None if self.is_whisper else torch.arange(length, device=dev).repeat(batch),
-            cross_slot_mapping=torch.empty(0, dtype=torch.long, device=dev))
-        if self.is_whisper:      # log-mel frames: two per encoder position (the stride-2 convolution)
-            inputs = torch.zeros(batch, self.model.config.num_mel_bins, 2 * length, dtype=self.dtype, device=dev)
-        else:
-            inputs = torch.zeros(batch * length, dtype=torch.long, device=dev)
-        return inputs, meta
+        return length, tokens, a.encoder_max_batch_size or a.max_batch_size
 
     def _profile_encoder_activations(self, max_input_len: int) -> int:
         """Peak bytes the largest admissible encoder microbatch allocates, measured by running
@@ -304,7 +295,7 @@ class ModelRunner:
             cu.append(cu[-1] + n)
         slots = []
         for e in encodes:
-            slots += _slots(e.cross_block_ids, 0, e.encoder_len, tpb)
+            slots += slot_ids(e.cross_block_ids, 0, e.encoder_len, tpb)
         positions = None
         if self.is_whisper:
             inputs = self._whisper_features(encodes)
@@ -317,6 +308,11 @@ class ModelRunner:
             cross_slot_mapping=to_device(slots, torch.long, dev))
         enc_hidden = self.model.encode(inputs, meta)                # [num_enc_tokens, d_model]
         self.model.write_cross_kv(enc_hidden, meta, self.kv)
+
+    @property
+    def _whisper_mels(self) -> int | None:
+        """Log-mel bins of a Whisper encoder's input; None for text encoders."""
+        return self.model.config.num_mel_bins if self.is_whisper else None
 
     def _whisper_features(self, encodes: list[ScheduledEncode]) -> torch.Tensor:
         inputs = torch.stack([to_device(e.encoder_input, None, self.device) for e in encodes])
@@ -331,7 +327,7 @@ class ModelRunner:
             n = s.num_new_tokens
             ids += s.input_token_ids
             pos += range(s.start_pos, s.start_pos + n)
-            slots += _slots(s.block_ids, s.start_pos, n, tpb)
+            slots += slot_ids(s.block_ids, s.start_pos, n, tpb)
             qsl.append(qsl[-1] + n)
             last.append(qsl[-1] - 1)
         i32, i64 = torch.int32, torch.long

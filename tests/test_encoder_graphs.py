@@ -8,6 +8,7 @@ import torch
 
 from enc2dec.engine import LLM, KvCacheConfig
 from enc2dec.engine.batch import ScheduledEncode
+from enc2dec.engine.block_manager import slot_ids
 from enc2dec.engine.config import EncodeCudaGraphConfig
 from enc2dec.engine.cuda_graph import EncoderGraphRunner, encoder_buckets
 
@@ -31,9 +32,8 @@ def _enc(lens):
 
 
 def test_pick_takes_the_cheapest_bucket_that_holds_the_batch():
-    runner = EncoderGraphRunner.__new__(EncoderGraphRunner)
-    runner.buckets = sorted([(1, 64), (2, 64), (4, 64), (1, 128), (2, 128)], key=lambda bl: (bl[0] * bl[1], bl[0]))
-    runner.pad_batch = True
+    runner = EncoderGraphRunner(None, None, torch.device("cpu"), [(1, 64), (2, 64), (4, 64), (1, 128), (2, 128)],
+                                tokens_per_block=16, pad_batch=True, dtype=torch.float32)
     assert runner.pick(_enc([10, 60])) == (2, 64)
     assert runner.pick(_enc([10, 100])) == (2, 128)
     assert runner.pick(_enc([10, 20, 30])) == (4, 64)
@@ -45,7 +45,7 @@ def test_pick_takes_the_cheapest_bucket_that_holds_the_batch():
 
 
 def _cross_kv_at(kv, encode, tpb):
-    slots = torch.tensor([encode.cross_block_ids[p // tpb] * tpb + p % tpb for p in range(encode.encoder_len)])
+    slots = torch.tensor(slot_ids(encode.cross_block_ids, 0, encode.encoder_len, tpb))
     return [torch.cat([layer.k.flatten(0, 1)[slots], layer.v.flatten(0, 1)[slots]]) for layer in kv.cross_kv]
 
 
