@@ -29,6 +29,7 @@ def test_unknown_nested_key():
     ({"enable_chunked_prefill": True}, "enable_chunked_prefill must be False"),
     ({"load_format": "gguf"}, "load_format='gguf' is not valid"),
     ({"cuda_graph_config": {"batch_sizes": [0, 2]}}, "cuda_graph_config.batch_sizes must be a non-empty list"),
+    ({"encoder_cuda_graph_config": {"seq_lens": [0, 64]}}, "encoder_cuda_graph_config.seq_lens must be a non-empty list"),
     ({"scheduler_config": {"capacity_scheduler_policy": "FIFO"}}, "capacity_scheduler_policy='FIFO' is not valid"),
     ({"kv_cache_config": {"use_kv_cache_manager_v2": True}, "max_beam_width": 4}, "requires max_beam_width=1"),
     ({"max_beam_width": 8, "max_batch_size": 4}, r"max_beam_width \(8\) must not exceed max_batch_size \(4\)"),
