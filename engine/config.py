@@ -136,8 +136,9 @@ class CudaGraphConfig:
 @dataclass(frozen=True)
 class EncodeCudaGraphConfig:
     """Encoder graphs per (batch, sequence length) bucket over a padded layout; ``num_tokens``
-    caps a bucket's padded tokens (``batch * length``). Off unless given (opt-in until
-    measured on a GPU; docs/architecture.md)."""
+    caps a bucket's padded tokens (``batch * length``). On by default with padding (a batch
+    takes the next larger bucket); ``encoder_cuda_graph_config=None`` turns them off
+    (measured in docs/benchmarks.md, run I)."""
 
     batch_sizes: tuple[int, ...] | None = None
     num_tokens: tuple[int, ...] | None = None
@@ -180,7 +181,8 @@ class LlmArgs:
     kv_cache_config: KvCacheConfig = field(default_factory=KvCacheConfig)
     # On by default (padded grid up to max_batch_size); None (YAML null) turns decoder graphs off.
     cuda_graph_config: CudaGraphConfig | None = field(default_factory=lambda: CudaGraphConfig(enable_padding=True))
-    encoder_cuda_graph_config: EncodeCudaGraphConfig | None = None
+    encoder_cuda_graph_config: EncodeCudaGraphConfig | None = field(
+        default_factory=lambda: EncodeCudaGraphConfig(enable_padding=True))
     enable_encoder_decoder_mixed_cuda_graph: bool = True
     disable_overlap_scheduler: bool = False
     enable_chunked_prefill: bool = False

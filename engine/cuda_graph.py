@@ -10,7 +10,7 @@ Padding rows write nowhere (slot -1) and attend to one position of block 0; thei
 logits are dropped. Attention split counts are fixed at capture for the longest
 sequence, which is safe because the kernels mask by the per-sequence lengths.
 
-Encoder graphs (``EncoderGraphRunner``, only with ``encoder_cuda_graph_config``) record
+Encoder graphs (``EncoderGraphRunner``, per ``encoder_cuda_graph_config``, on by default) record
 ``model.encode`` + ``write_cross_kv`` per (batch, length) bucket over the padded layout of
 ``EncoderMetadata``: each request takes ``L`` token slots, keys past its real length are
 masked, padding tokens and padding requests write to slot -1. Whisper has one length (1500).
@@ -206,18 +206,22 @@ def uniform_encoder_batch(batch: int, length: int, device: torch.device, dtype: 
 
 def encoder_buckets(cfg, max_batch: int, max_tokens: int, max_len: int, fixed_len: int | None = None
                     ) -> list[tuple[int, int]]:
-    """The (batch, length) buckets to capture: ``cfg.batch_sizes`` (default 1, 2, 4 ... 32) up to
-    ``max_batch``, ``cfg.seq_lens`` (default 64, 128 ... up to ``max_len``, which is always
-    included) or the model's one ``fixed_len``, and at most ``max_tokens`` (and
-    ``max(cfg.num_tokens)``, when given) padded tokens per bucket."""
-    batches = [b for b in (cfg.batch_sizes or (1, 2, 4, 8, 16, 32)) if b <= max_batch]
+    """The (batch, length) buckets to capture: ``cfg.batch_sizes`` (default 1, 2, 4 ... 32 and
+    the cap's batch of longest inputs) up to ``max_batch``, ``cfg.seq_lens`` (default 64, 128 ...
+    up to ``max_len``, which is always included) or the model's one ``fixed_len``, and at most
+    ``max_tokens`` (and ``max(cfg.num_tokens)``, when given) padded tokens per bucket."""
+    cap = min(max_tokens, max(cfg.num_tokens)) if cfg.num_tokens else max_tokens
+    longest = fixed_len or max_len
+    # By default also the largest batch of the longest inputs the token cap admits (Whisper at
+    # 8192 tokens encodes 5 clips a step, which no power of two holds).
+    grid = cfg.batch_sizes or sorted({1, 2, 4, 8, 16, 32} | ({cap // longest} if cap >= longest else set()))
+    batches = [b for b in grid if b <= max_batch]
     if fixed_len is not None:
         lens = [fixed_len]
     elif cfg.seq_lens:
         lens = [n for n in cfg.seq_lens if n <= max_len]
     else:
         lens = sorted({n for n in (64 << i for i in range(12)) if n < max_len} | {max_len})
-    cap = min(max_tokens, max(cfg.num_tokens)) if cfg.num_tokens else max_tokens
     return sorted((b, n) for b in batches for n in lens if b * n <= cap)
 
 

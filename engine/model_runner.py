@@ -125,8 +125,8 @@ class ModelRunner:
         return runner
 
     def _maybe_capture_encoder(self, max_input_len: int):
-        """Encoder graphs, only with ``encoder_cuda_graph_config`` (and where decoder graphs run:
-        CUDA, bf16/fp16, triton). Opt-in until measured on a GPU (docs/architecture.md)."""
+        """Encoder graphs per ``encoder_cuda_graph_config`` (default on; None turns them off),
+        where decoder graphs run: CUDA, bf16/fp16, triton (docs/architecture.md)."""
         cfg = self.args.encoder_cuda_graph_config
         if cfg is None:
             return None

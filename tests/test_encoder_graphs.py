@@ -16,6 +16,7 @@ from enc2dec.engine.cuda_graph import EncoderGraphRunner, encoder_buckets
 def test_default_buckets_are_powers_of_two_up_to_the_limits():
     got = encoder_buckets(EncodeCudaGraphConfig(), max_batch=8, max_tokens=1024, max_len=300)
     assert got == [(1, 64), (1, 128), (1, 256), (1, 300), (2, 64), (2, 128), (2, 256), (2, 300),
+                   (3, 64), (3, 128), (3, 256), (3, 300),      # the 3 longest inputs 1024 tokens admit
                    (4, 64), (4, 128), (4, 256), (8, 64), (8, 128)]
 
 
@@ -24,6 +25,9 @@ def test_configured_buckets_and_the_token_cap():
     assert encoder_buckets(cfg, max_batch=8, max_tokens=8192, max_len=1024) == [(1, 100), (1, 200), (3, 100)]
     assert encoder_buckets(EncodeCudaGraphConfig(), 4, 8192, 1500, fixed_len=1500) == [(1, 1500), (2, 1500),
                                                                                         (4, 1500)]
+    # Whisper's default: 8192 tokens admit 5 clips a step, and 5 gets its own graph
+    assert encoder_buckets(EncodeCudaGraphConfig(), 64, 8192, 1500, fixed_len=1500) == [
+        (1, 1500), (2, 1500), (4, 1500), (5, 1500)]
 
 
 def _enc(lens):
@@ -106,7 +110,8 @@ def test_encoder_graph_replay_writes_the_cross_kv_of_the_eager_step(family, requ
     """On the GPU in bf16: the captured graphs, replayed (twice, the second time for a smaller
     batch), write what the eager packed step writes, up to bf16 rounding of other GEMM shapes."""
     path = request.getfixturevalue(family)
-    with LLM(path, dtype="bfloat16", max_batch_size=4, encoder_cuda_graph_config=EncodeCudaGraphConfig(),
+    with LLM(path, dtype="bfloat16", max_batch_size=4,
+             encoder_cuda_graph_config=EncodeCudaGraphConfig(enable_padding=True),    # 3 requests -> bucket 4
              kv_cache_config=KvCacheConfig(cross_kv_cache_fraction=0.5, free_gpu_memory_fraction=0.2)) as llm:
         runner = llm.engine.runner
         graphs = runner.encoder_graphs
