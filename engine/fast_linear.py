@@ -8,7 +8,9 @@ plain ``nn.Linear`` (fused ``MergedLinear`` included) so calls with at most
 batches, prompt steps) keep ``F.linear``. Tensor-parallel row layers keep their
 all-reduce: only their local product (``RowParallelLinear.matmul``) is swapped; other
 subclasses are left alone.
-``ENC2DEC_SKINNY_GEMM=0`` turns it off (ablation).
+Norms and MLP activations that feed one of these linears ride in its kernel on one-row
+steps (``Prologue``): a flan-t5-large step runs 96 kernels fewer.
+``ENC2DEC_SKINNY_GEMM=0`` turns it all off, ``ENC2DEC_FUSED_GEMV=0`` only the fusion (ablation).
 """
 from __future__ import annotations
 
@@ -20,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from enc2dec.engine.models.layers import MergedLinear, RowParallelLinear
-from enc2dec.kernels.skinny_gemm import skinny_linear      # triton itself loads at the first launch
+from enc2dec.engine.models.layers import DenseMLP, GatedMLP, MergedLinear, RowParallelLinear
+from enc2dec.kernels.skinny_gemm import Prologue, skinny_linear      # triton itself loads at the first launch
 
 logger = logging.getLogger("enc2dec")
 
@@ -33,9 +35,9 @@ logger = logging.getLogger("enc2dec")
 DISPATCH_ROWS = 1
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` that sends single-row inputs to the GEMV kernel."""
-    if x.shape[-1] and x.numel() // x.shape[-1] <= DISPATCH_ROWS:
+def linear(x: torch.Tensor | Prologue, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` that sends single-row inputs (and deferred norms/activations) to the GEMV kernel."""
+    if isinstance(x, Prologue) or (x.shape[-1] and x.numel() // x.shape[-1] <= DISPATCH_ROWS):
         return skinny_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -49,9 +51,14 @@ def skinny_linear_enabled(device: torch.device, backend_name: str) -> bool:
             and os.environ.get("ENC2DEC_SKINNY_GEMM", "1") != "0")
 
 
-def use_skinny_linear(model: nn.Module) -> int:
-    """Rebind plain linear layers of ``model``; returns how many."""
-    count = 0
+def use_skinny_linear(model: nn.Module, fuse: bool | None = None) -> int:
+    """Rebind plain linear layers of ``model``; returns how many. With ``fuse`` (default: unless
+    ``ENC2DEC_FUSED_GEMV=0``), the norms the model lists in its layers' ``gemv_fed_norms()``
+    and the MLP activations before ``fc2`` are deferred into the GEMV that reads them
+    (``kernels/skinny_gemm.py``, ``Prologue``) on one-row calls."""
+    if fuse is None:
+        fuse = os.environ.get("ENC2DEC_FUSED_GEMV", "1") != "0"
+    count = fused = 0
     for module in model.modules():
         if type(module) in (nn.Linear, MergedLinear):
             module.forward = types.MethodType(_forward, module)
@@ -59,5 +66,15 @@ def use_skinny_linear(model: nn.Module) -> int:
         elif type(module) is RowParallelLinear:
             module.matmul = linear
             count += 1
-    logger.info("skinny GEMV kernel on %d linear layers for steps of %d row(s)", count, DISPATCH_ROWS)
+    for module in model.modules():
+        if not fuse:
+            break
+        if type(module) in (DenseMLP, GatedMLP) and type(module.fc2) is RowParallelLinear:
+            module.act_into_gemv = True
+            fused += 1
+        for norm in getattr(module, "gemv_fed_norms", lambda: ())():
+            norm.into_gemv = True
+            fused += 1
+    logger.info("skinny GEMV kernel on %d linear layers for steps of %d row(s); %d norms and activations "
+                "ride in it", count, DISPATCH_ROWS, fused)
     return count

@@ -28,7 +28,7 @@ from enc2dec.kernels.backend import TritonAttentionBackend
 from enc2dec.kernels.kv_store import store_kv
 from enc2dec.kernels.norms import fused_add_layer_norm, fused_add_rms_norm
 from enc2dec.kernels.paged_attention import paged_attention
-from enc2dec.kernels.skinny_gemm import skinny_linear
+from enc2dec.kernels.skinny_gemm import Prologue, skinny_linear
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # fp32 math in kernel and reference; only summation order differs.
@@ -282,6 +282,57 @@ def test_skinny_linear_matches_reference(rows, n, k, with_bias, dtype):
     got = skinny_linear(x, w, b)
     assert got.shape == (rows, n) and got.dtype == dtype
     assert_close(got, ref.skinny_linear_ref(x.float(), w.float(), None if b is None else b.float()), dtype)
+
+
+_PROLOGUES = {   # name -> Prologue keyword arguments (x, residual and the norm's tensors added below)
+    "rms": dict(norm="rms"), "rms+residual": dict(norm="rms", residual=True),
+    "layer+residual": dict(norm="layer", residual=True, norm_bias=True), "layer": dict(norm="layer"),
+    "gelu": dict(act="gelu"), "gated gelu_tanh": dict(act="gelu_tanh", gated=True), "relu": dict(act="relu"),
+}
+
+
+def _prologue(name, rows, k, dtype, g):
+    spec = dict(_PROLOGUES[name])
+    width = 2 * k if spec.get("gated") else k
+    x = (torch.randn(rows, width, generator=g) + 0.5).to(DEVICE, dtype)          # mean 0.5: LayerNorm centres
+    kwargs = {kw: v for kw, v in spec.items() if kw not in ("residual", "norm_bias")}
+    if spec.get("residual"):
+        kwargs["residual"] = torch.randn(rows, k, generator=g).to(DEVICE, dtype)
+    if "norm" in spec:
+        kwargs["norm_weight"] = (1 + 0.1 * torch.randn(k, generator=g)).to(DEVICE, dtype)
+        kwargs["eps"] = 1e-5
+        if spec.get("norm_bias"):
+            kwargs["norm_bias"] = torch.randn(k, generator=g).to(DEVICE, dtype)
+    return lambda: Prologue(x, **kwargs)
+
+
+@pytest.mark.parametrize("name", list(_PROLOGUES))
+@pytest.mark.parametrize("rows,n,k", [(1, 37, 100), (3, 20, 1300)])      # 1300: statistics over 2-3 K blocks
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_skinny_linear_fuses_the_norm_or_activation_before_it(name, rows, n, k, dtype):
+    """A deferred norm (+ residual add) or activation computed inside the GEMV gives what the
+    separate kernel followed by the product gives, and writes the whole new residual."""
+    g = torch.Generator().manual_seed(rows * 7 + k)
+    make = _prologue(name, rows, k, dtype, g)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEVICE, dtype)
+    b = torch.randn(n, generator=g).to(DEVICE, dtype)
+    fused, unfused = make(), make()
+    assert fused.shape == (rows, k)
+    got = skinny_linear(fused, w, b)
+    inputs = unfused.materialize()
+    assert got.shape == (rows, n) and got.dtype == dtype
+    assert_close(got, ref.skinny_linear_ref(inputs.float(), w.float(), b.float()), dtype)
+    if fused.residual is not None:                 # program 0 wrote x + residual, every element
+        assert_close(fused.res_out, unfused.res_out, dtype)    # (the interpreter rounds bf16 down)
+
+
+def test_a_prologue_too_wide_for_the_kernel_is_computed_first():
+    g = torch.Generator().manual_seed(3)
+    make = _prologue("layer+residual", 40, 24, torch.float32, g)            # 40 rows > MAX_ROWS
+    w = torch.randn(8, 24, generator=g).to(DEVICE)
+    fused, unfused = make(), make()
+    assert_close(skinny_linear(fused, w), ref.skinny_linear_ref(unfused.materialize(), w), torch.float32)
+    assert torch.equal(fused.res_out, unfused.res_out)
 
 
 def test_skinny_linear_keeps_leading_dims_and_hands_wide_inputs_to_the_library():

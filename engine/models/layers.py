@@ -23,6 +23,7 @@ from enc2dec.engine.attention import DecoderMetadata, EncoderMetadata, LayerKV
 from enc2dec.engine.distributed import SINGLE, TensorParallelGroup
 from enc2dec.kernels.activations import gated_gelu
 from enc2dec.kernels.norms import fused_add_layer_norm, fused_add_rms_norm
+from enc2dec.kernels.skinny_gemm import Prologue
 
 _gelu_tanh = functools.partial(F.gelu, approximate="tanh")
 
@@ -38,10 +39,18 @@ ACTIVATIONS = {
 }
 
 
+# Activations the skinny GEMV can apply to its input (kernels/skinny_gemm.py, ``Prologue``).
+_PROLOGUE_ACTS = {F.relu: "relu", F.gelu: "gelu", _gelu_tanh: "gelu_tanh"}
+
+
 def get_activation(name: str, option: str = "activation_function"):
     if name not in ACTIVATIONS:
         raise ValueError(f"{option}={name!r} is not supported; valid: {', '.join(ACTIVATIONS)}")
     return ACTIVATIONS[name]
+
+
+def _one_row(x: torch.Tensor) -> bool:
+    return x.dim() >= 1 and x.shape[-1] > 0 and x.numel() == x.shape[-1]
 
 
 def clamp_fp16(h: torch.Tensor) -> torch.Tensor:
@@ -52,8 +61,30 @@ def clamp_fp16(h: torch.Tensor) -> torch.Tensor:
     return h.clamp(-limit, limit)
 
 
-class RMSNorm(nn.Module):
+class _GemvFusable:
+    """A norm whose output only ever feeds one linear layer. ``engine/fast_linear.py`` sets
+    ``into_gemv`` where that layer runs the skinny GEMV: a one-row call then returns a
+    ``Prologue`` the GEMV computes as it loads its input (one launch fewer per norm), and the
+    new residual, which that GEMV writes. Only the models mark such norms
+    (``gemv_fed_norms``): a norm whose output is also the residual (post-norm BART) or goes
+    elsewhere (final norms) never defers."""
+
+    into_gemv = False
+    norm_kind = ""
+
+    def _deferred(self, x: torch.Tensor, residual: torch.Tensor | None):
+        pro = Prologue(x, residual, norm=self.norm_kind, norm_weight=self.weight,
+                       norm_bias=getattr(self, "bias", None), eps=self.eps)
+        return pro, (x if residual is None else pro.res_out)
+
+    def _defers(self, x: torch.Tensor) -> bool:
+        return self.into_gemv and x.dtype != torch.float16 and _one_row(x)
+
+
+class RMSNorm(_GemvFusable, nn.Module):
     """T5's LayerNorm: scale only, no mean subtraction, variance in float32."""
+
+    norm_kind = "rms"
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -61,6 +92,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._defers(x):
+            return self._deferred(x, None)[0]
         if x.is_cuda:   # one Triton kernel instead of five eager ones (same math, fp32 inside)
             return fused_add_rms_norm(x, None, self.weight, self.eps)[0]
         xf = x.float()
@@ -70,16 +103,22 @@ class RMSNorm(nn.Module):
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + x), residual + x): one kernel on the GPU outside float16, whose
         residual stream needs transformers' clamp between the add and the norm."""
+        if self._defers(x):
+            return self._deferred(x, residual)
         if x.is_cuda and x.dtype != torch.float16:
             return fused_add_rms_norm(x, residual, self.weight, self.eps)
         h = clamp_fp16(residual + x)
         return self(h), h
 
 
-class LayerNorm(nn.LayerNorm):
+class LayerNorm(_GemvFusable, nn.LayerNorm):
     """nn.LayerNorm (BART, mBART, Whisper) whose residual add can ride in the norm's kernel."""
 
+    norm_kind = "layer"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._defers(x):
+            return self._deferred(x, None)[0]
         if x.is_cuda:
             return fused_add_layer_norm(x, None, self.weight, self.bias, self.eps)[0]
         return super().forward(x)
@@ -87,6 +126,8 @@ class LayerNorm(nn.LayerNorm):
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + x), residual + x): one kernel on the GPU outside float16, whose
         residual stream needs transformers' clamp between the add and the norm."""
+        if self._defers(x):
+            return self._deferred(x, residual)
         if x.is_cuda and x.dtype != torch.float16:
             return fused_add_layer_norm(x, residual, self.weight, self.bias, self.eps)
         h = clamp_fp16(residual + x)
@@ -141,8 +182,13 @@ class DenseMLP(nn.Module):
         self.fc2 = RowParallelLinear(d_ff, d_model, bias, tp)
         self.act = get_activation(act, option)
 
+    act_into_gemv = False       # set by engine/fast_linear.py where fc2 runs the skinny GEMV
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
+        h = self.fc1(x)
+        if self.act_into_gemv and _one_row(h) and self.act in _PROLOGUE_ACTS:
+            return self.fc2(Prologue(h, act=_PROLOGUE_ACTS[self.act]))      # act in fc2's GEMV
+        return self.fc2(self.act(h))
 
 
 class GatedMLP(nn.Module):
@@ -155,8 +201,12 @@ class GatedMLP(nn.Module):
         self.fc2 = RowParallelLinear(d_ff, d_model, False, tp)
         self.act = get_activation(act, option)
 
+    act_into_gemv = False       # set by engine/fast_linear.py where fc2 runs the skinny GEMV
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up(x)                                # [T, 2 * d_ff / tp]
+        if self.act_into_gemv and _one_row(gate_up) and self.act in _PROLOGUE_ACTS:
+            return self.fc2(Prologue(gate_up, act=_PROLOGUE_ACTS[self.act], gated=True))
         if gate_up.is_cuda and self.act is _gelu_tanh:
             return self.fc2(gated_gelu(gate_up, approximate="tanh"))   # one fused kernel
         gate, up = gate_up.chunk(2, dim=-1)                      # [T, d_ff / tp] each

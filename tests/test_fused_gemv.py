@@ -1,0 +1,43 @@
+"""The fused decode GEMV end to end, on the CPU through Triton's interpreter (TRITON_INTERPRET=1,
+set by conftest): with every pre-norm and MLP activation deferred into the skinny GEMV that
+reads it (``engine/fast_linear.py``, ``kernels/skinny_gemm.Prologue``), one request decodes
+the same greedy tokens as the separate kernels, for every family, and the fusion really runs."""
+import numpy as np
+import pytest
+
+from enc2dec.engine import LLM, KvCacheConfig, SamplingParams
+from enc2dec.engine import fast_linear
+from enc2dec.kernels.skinny_gemm import Prologue
+
+pytest.importorskip("triton")
+
+
+def _request(family):
+    if family == "whisper":
+        wave = (np.random.RandomState(0).randn(16000 * 2) * 0.1).astype(np.float32)
+        return {"prompt": "", "multi_modal_data": {"audio": [(wave, 16000)]}}
+    return "the quick brown fox jumps over"
+
+
+@pytest.mark.parametrize("family", ["t5_relu", "flan_t5", "bart", "mbart", "whisper"])
+def test_fused_norms_and_activations_decode_the_same_tokens(family, request, monkeypatch):
+    path = request.getfixturevalue(family)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    with LLM(path, dtype="float32", device="cpu", attn_backend="triton", max_batch_size=2,
+             kv_cache_config=KvCacheConfig(cross_kv_cache_fraction=0.5, tokens_per_block=4)) as llm:
+        plain = llm.generate(_request(family), params, use_tqdm=False).outputs[0].token_ids
+        fast_linear.use_skinny_linear(llm.engine.runner.model, fuse=True)
+        kinds = []
+        kernel = fast_linear.skinny_linear
+
+        def spy(x, *args):
+            if isinstance(x, Prologue):
+                kinds.append(x.norm or x.act)
+            return kernel(x, *args)
+
+        monkeypatch.setattr(fast_linear, "skinny_linear", spy)
+        fused = llm.generate(_request(family), params, use_tqdm=False).outputs[0].token_ids
+    assert fused == plain
+    expected = {"t5_relu": {"rms", "relu"}, "flan_t5": {"rms", "gelu_tanh"}, "bart": {"gelu"},  # post-norm: acts only
+                "mbart": {"layer", "relu"}, "whisper": {"layer", "gelu"}}[family]
+    assert set(kinds) == expected
