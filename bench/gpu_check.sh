@@ -3,8 +3,8 @@
 #   tests    pytest -m gpu (engine GPU tests first, then kernels)
 #   profile  bench/profile_step.py: kernels per decoder step, T5 and Whisper, C=1 and 64
 #   t5       flan-t5-large 128/128 at T5_CONC against BASELINES (issue 4's targets)
-#   ablate   graphs off / overlap off / torch attention / skinny GEMV off at C=1 and 64 (T5;
-#            Whisper too for the variants named in WHISPER_ABLATE)
+#   ablate   graphs off / overlap off / torch attention / skinny GEMV off / its fused norms off /
+#            encoder graphs off, at C=1 and 64 (T5_ABLATE; Whisper for those in WHISPER_ABLATE)
 #   whisper  whisper-large-v3 30 s/96 tokens at WHISPER_CONC against BASELINES
 #   egraph   encoder CUDA graphs on, then off: flan-t5-large C=1,8,64 and whisper-large-v3 C=1,64
 #   wtok     whisper-large-v3 at C=64 for each per-step token budget in WTOK (admission speed)
@@ -78,16 +78,24 @@ for section in $SECTIONS; do
     done ;;
   t5) run t5 ${T5_LIMIT_S:-300} $T5 --concurrency ${T5_CONC:-1,8,64} --num-requests ${T5_NUM:-8,32,128} --warmup 2 \
         --baseline "$BASELINES" ;;
-  ablate)
+  ablate)   # T5_ABLATE / WHISPER_ABLATE name the variants (default: all for T5, none for Whisper)
     printf 'cuda_graph_config: null\nkv_cache_config:\n  cross_kv_cache_fraction: 0.5\n' >"$WORK/nographs.yaml"
     printf 'disable_overlap_scheduler: true\nkv_cache_config:\n  cross_kv_cache_fraction: 0.5\n' >"$WORK/nooverlap.yaml"
     printf 'attn_backend: torch\ncuda_graph_config: null\nkv_cache_config:\n  cross_kv_cache_fraction: 0.5\n' >"$WORK/torchattn.yaml"
-    for v in nographs nooverlap torchattn; do
-      run "t5-$v" ${ABLATE_LIMIT_S:-45} $T5 --config "$WORK/$v.yaml" --concurrency 1,64 --num-requests 4,64 --warmup 1
+    printf 'encoder_cuda_graph_config: null\n' >"$WORK/noegraph.yaml"
+    variant() {  # variant MODEL NAME: one ablation run at C=1 and 64
+      local args=$1 name=$2; shift 2
+      case ${name#*-} in
+        noskinny) ENC2DEC_SKINNY_GEMM=0 run "$name" ${ABLATE_LIMIT_S:-45} $args "$@" ;;
+        nofuse) ENC2DEC_FUSED_GEMV=0 run "$name" ${ABLATE_LIMIT_S:-45} $args "$@" ;;
+        *) run "$name" ${ABLATE_LIMIT_S:-45} $args --config "$WORK/${name#*-}.yaml" "$@" ;;
+      esac
+    }
+    for v in ${T5_ABLATE-nographs nooverlap torchattn noskinny nofuse noegraph}; do
+      variant "$T5" "t5-$v" --concurrency 1,64 --num-requests 4,64 --warmup 1
     done
-    ENC2DEC_SKINNY_GEMM=0 run t5-noskinny ${ABLATE_LIMIT_S:-45} $T5 --concurrency 1,64 --num-requests 4,64 --warmup 1
     for v in ${WHISPER_ABLATE:-}; do
-      run "whisper-$v" ${ABLATE_LIMIT_S:-45} $WH --config "$WORK/$v.yaml" --concurrency 1,64 --num-requests 4,64 --warmup 1
+      variant "$WH" "whisper-$v" --concurrency 1,64 --num-requests 4,64 --warmup 1
     done ;;
   whisper) run whisper ${WHISPER_LIMIT_S:-300} $WH --concurrency ${WHISPER_CONC:-1,8,32,64} \
         --num-requests ${WHISPER_NUM:-4,16,64,128} --warmup 1 --baseline "$BASELINES" ;;
