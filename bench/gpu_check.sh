@@ -88,6 +88,7 @@ for section in $SECTIONS; do
       case ${name#*-} in
         noskinny) ENC2DEC_SKINNY_GEMM=0 run "$name" ${ABLATE_LIMIT_S:-45} $args "$@" ;;
         nofuse) ENC2DEC_FUSED_GEMV=0 run "$name" ${ABLATE_LIMIT_S:-45} $args "$@" ;;
+        default) run "$name" ${ABLATE_LIMIT_S:-45} $args "$@" ;;       # the same levels, nothing off
         *) run "$name" ${ABLATE_LIMIT_S:-45} $args --config "$WORK/${name#*-}.yaml" "$@" ;;
       esac
     }
