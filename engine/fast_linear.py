@@ -8,8 +8,8 @@ plain ``nn.Linear`` (fused ``MergedLinear`` included) so calls with at most
 batches, prompt steps) keep ``F.linear``. Tensor-parallel row layers keep their
 all-reduce: only their local product (``RowParallelLinear.matmul``) is swapped; other
 subclasses are left alone.
-Norms and MLP activations that feed one of these linears ride in its kernel on one-row
-steps (``Prologue``): a flan-t5-large step runs 96 kernels fewer.
+On one-row steps the pre-norms ride in the GEMV that reads them (``Prologue``) and the MLP
+activation in the GEMV that produces its input: a flan-t5-large step runs 96 kernels fewer.
 ``ENC2DEC_SKINNY_GEMM=0`` turns it all off, ``ENC2DEC_FUSED_GEMV=0`` only the fusion (ablation).
 """
 from __future__ import annotations
@@ -53,9 +53,10 @@ def skinny_linear_enabled(device: torch.device, backend_name: str) -> bool:
 
 def use_skinny_linear(model: nn.Module, fuse: bool | None = None) -> int:
     """Rebind plain linear layers of ``model``; returns how many. With ``fuse`` (default: unless
-    ``ENC2DEC_FUSED_GEMV=0``), the norms the model lists in its layers' ``gemv_fed_norms()``
-    and the MLP activations before ``fc2`` are deferred into the GEMV that reads them
-    (``kernels/skinny_gemm.py``, ``Prologue``) on one-row calls."""
+    ``ENC2DEC_FUSED_GEMV=0``), on one-row calls the norms the model lists in its layers'
+    ``gemv_fed_norms()`` are deferred into the GEMV that reads them (``Prologue``) and each
+    MLP's activation (gated: ``act(gate) * up``) rides in its first GEMV
+    (``kernels/skinny_gemm.py``)."""
     if fuse is None:
         fuse = os.environ.get("ENC2DEC_FUSED_GEMV", "1") != "0"
     count = fused = 0
@@ -69,7 +70,8 @@ def use_skinny_linear(model: nn.Module, fuse: bool | None = None) -> int:
     for module in model.modules():
         if not fuse:
             break
-        if type(module) in (DenseMLP, GatedMLP) and type(module.fc2) is RowParallelLinear:
+        if type(module) in (DenseMLP, GatedMLP) and type(getattr(module, "fc1", getattr(module, "gate_up", None))) \
+                is MergedLinear:
             module.act_into_gemv = True
             fused += 1
         for norm in getattr(module, "gemv_fed_norms", lambda: ())():

@@ -10,13 +10,14 @@ programs (N / BLOCK_N of them) keep every SM reading.
 Used from outside the models (``engine/fast_linear.py`` swaps plain ``nn.Linear`` forwards
 on the GPU); larger M goes to ``F.linear``.
 
-The input may be a ``Prologue``: the elementwise step that would have produced it, done on
-the fly as each program loads its input row. Either a residual add + RMSNorm/LayerNorm (the
-program first reads the whole row for its statistics; program 0 also writes the new
-residual) or an activation, optionally gated (``act(x[:, :K]) * x[:, K:]``). Each
-transformed value is rounded to the activation dtype before the dot product, as the
-separate kernel's output would be, so the fusion saves a launch per norm and activation of
-a decode step without changing what is multiplied.
+Fusions for a decode step's one-row calls, each a launch saved without changing what is
+multiplied (every fused value is rounded to the activation dtype as the separate kernel's
+output would be):
+- the input may be a ``Prologue``, a residual add + RMSNorm/LayerNorm done as each program
+  loads its input row (each first reads the row once for its statistics; program 0 also
+  writes the new residual);
+- ``act`` applies an activation to the output, and ``gated`` pairs weight rows ``n`` and
+  ``N + n`` so the gate|up projection and ``act(gate) * up`` are one kernel.
 """
 from __future__ import annotations
 
@@ -38,10 +39,12 @@ def _skinny_gemm_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, nb_ptr, res_out_ptr,
     M, N, K, stride_xm, stride_wn, stride_om, stride_rm, stride_rom, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    NORM: tl.constexpr, HAS_RES: tl.constexpr, NORM_BIAS: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr,
+    NORM: tl.constexpr, HAS_RES: tl.constexpr, NORM_BIAS: tl.constexpr, STATS_BLOCK: tl.constexpr,
+    ACT: tl.constexpr, GATED: tl.constexpr,
 ):
-    # NORM: 0 none, 1 RMSNorm, 2 LayerNorm of x (+ residual with HAS_RES);
-    # ACT: 0 none, 1 gelu (erf), 2 gelu (tanh), 3 relu, of x[:, :K] (times x[:, K:] with GATED).
+    # Prologue, NORM: 0 none, 1 RMSNorm, 2 LayerNorm of x (+ residual with HAS_RES).
+    # Epilogue, ACT: 0 none, 1 gelu (erf), 2 gelu (tanh), 3 relu of the output; GATED: weight
+    # rows [N, 2N) are the "up" half, out[:, n] = act(x . w[n]) * (x . w[N + n]).
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)                         # [BN]
     offs_m = tl.arange(0, BLOCK_M)                                         # [BM]
@@ -50,41 +53,41 @@ def _skinny_gemm_kernel(
     act_dtype = out_ptr.dtype.element_ty
     mean = tl.zeros((BLOCK_M,), dtype=tl.float32)
     rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if NORM != 0:                 # row statistics first (the row is small and stays in cache)
+    if NORM != 0:
+        # Row statistics first, the whole row in one load when it fits STATS_BLOCK (one memory
+        # round trip before the weights stream), else over STATS_BLOCK-wide pieces.
         s1 = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mk = mask_m[:, None] & (offs_k < K)[None, :]
-            h = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mk, other=0.0).to(tl.float32)
+        s2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for k0 in range(0, K, STATS_BLOCK):
+            offs_s = k0 + tl.arange(0, STATS_BLOCK)
+            ms = mask_m[:, None] & (offs_s < K)[None, :]
+            h = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_s[None, :], mask=ms, other=0.0).to(tl.float32)
             if HAS_RES:
-                r = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_k[None, :], mask=mk, other=0.0)
+                r = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_s[None, :], mask=ms, other=0.0)
                 h = (h + r.to(tl.float32)).to(act_dtype).to(tl.float32)
-            if NORM == 1:
-                s1 += tl.sum(h * h, axis=1)
-            else:
-                s1 += tl.sum(h, axis=1)
+            if NORM == 1 or STATS_BLOCK < K:
+                s2 += tl.sum(h * h, axis=1)
+            s1 += tl.sum(h, axis=1)
+            if NORM == 2 and STATS_BLOCK >= K:    # whole row at hand: centred variance, as the norm kernel
+                c = tl.where(ms, h - (s1 / K)[:, None], 0.0)
+                s2 = tl.sum(c * c, axis=1)
         if NORM == 1:
-            rstd = tl.rsqrt(s1 / K + eps)
+            rstd = tl.rsqrt(s2 / K + eps)
         else:
             mean = s1 / K
-            s2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                mk = mask_m[:, None] & (offs_k < K)[None, :]
-                h = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mk, other=0.0).to(tl.float32)
-                if HAS_RES:
-                    r = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_k[None, :], mask=mk, other=0.0)
-                    h = (h + r.to(tl.float32)).to(act_dtype).to(tl.float32)
-                c = tl.where(mk, h - mean[:, None], 0.0)
-                s2 += tl.sum(c * c, axis=1)
-            rstd = tl.rsqrt(s2 / K + eps)
+            if STATS_BLOCK >= K:
+                rstd = tl.rsqrt(s2 / K + eps)
+            else:
+                rstd = tl.rsqrt(tl.maximum(s2 / K - mean * mean, 0.0) + eps)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)                                # [BK]
         mask_k = offs_k < K
         mk = mask_m[:, None] & mask_k[None, :]
-        w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
-                    mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)    # [BN, BK]
+        w_offs = offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+        mw = mask_n[:, None] & mask_k[None, :]
+        w = tl.load(w_ptr + w_offs, mask=mw, other=0.0).to(tl.float32)                  # [BN, BK]
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mk, other=0.0).to(tl.float32)
         if NORM != 0:
             if HAS_RES:
@@ -96,72 +99,79 @@ def _skinny_gemm_kernel(
             if NORM_BIAS:
                 x = x + tl.load(nb_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)[None, :]
             x = x.to(act_dtype).to(tl.float32)
-        if ACT != 0:
-            if ACT == 1:
-                x = 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
-            elif ACT == 2:
-                u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-                e = tl.exp(-2.0 * tl.abs(u))
-                tanh_abs = (1.0 - e) / (1.0 + e)
-                x = 0.5 * x * (1.0 + tl.where(u >= 0, tanh_abs, -tanh_abs))
-            else:
-                x = tl.maximum(x, 0.0)
-            if GATED:
-                up = tl.load(x_ptr + offs_m[:, None] * stride_xm + K + offs_k[None, :], mask=mk, other=0.0)
-                x = x * up.to(tl.float32)
-            x = x.to(act_dtype).to(tl.float32)
         acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)                # [BM, BN]
+        if GATED:
+            w_up = tl.load(w_ptr + N.to(tl.int64) * stride_wn + w_offs, mask=mw, other=0.0).to(tl.float32)
+            acc_up += tl.sum(x[:, None, :] * w_up[None, :, :], axis=2)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(b_ptr + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    if ACT != 0:                      # on the rounded product, as the separate activation kernel reads it
+        g = acc.to(act_dtype).to(tl.float32)
+        if ACT == 1:
+            g = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
+        elif ACT == 2:
+            u = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+            e = tl.exp(-2.0 * tl.abs(u))
+            tanh_abs = (1.0 - e) / (1.0 + e)
+            g = 0.5 * g * (1.0 + tl.where(u >= 0, tanh_abs, -tanh_abs))
+        else:
+            g = tl.maximum(g, 0.0)
+        if GATED:
+            g = g * acc_up.to(act_dtype).to(tl.float32)
+        acc = g
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=mask_m[:, None] & mask_n[None, :])
 
 
-_ACTS = {None: 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
+ACTIVATIONS = {None: 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
 
 
 @dataclasses.dataclass
 class Prologue:
-    """A GEMV input still to be computed from ``x``: ``norm(x + residual)`` (``norm`` "rms" or
-    "layer"; ``residual`` optional, and then ``res_out`` receives ``x + residual``, the new
-    residual stream) or ``act(x)`` / ``act(x[..., :K]) * x[..., K:]`` (``gated``).
-    ``skinny_linear`` fuses it into the product; ``materialize()`` computes it on its own."""
+    """A GEMV input still to be computed: ``norm(x + residual)`` (``norm`` "rms" or "layer";
+    ``residual`` optional, and then ``res_out`` receives ``x + residual``, the new residual
+    stream). ``skinny_linear`` fuses it into the product; ``materialize()`` computes it alone."""
 
     x: torch.Tensor
     residual: torch.Tensor | None = None
-    norm: str | None = None
+    norm: str = "rms"
     norm_weight: torch.Tensor | None = None
     norm_bias: torch.Tensor | None = None
     eps: float = 1e-6
-    act: str | None = None
-    gated: bool = False
     res_out: torch.Tensor | None = None
 
     def __post_init__(self):
-        assert (self.norm is None) != (self.act is None), "a prologue is either a norm or an activation"
-        assert self.act in _ACTS, f"unsupported activation {self.act!r}"
+        assert self.norm in ("rms", "layer"), f"unsupported norm {self.norm!r}"
         if self.residual is not None and self.res_out is None:
             self.res_out = torch.empty_like(self.residual)
 
     @property
     def shape(self) -> torch.Size:
-        k = self.x.shape[-1] // 2 if self.gated else self.x.shape[-1]
-        return torch.Size((*self.x.shape[:-1], k))
+        return self.x.shape
 
     def materialize(self) -> torch.Tensor:
         """The input tensor itself, by the torch references (fills ``res_out``)."""
-        if self.norm is not None:
-            fn = fused_add_rms_norm_ref if self.norm == "rms" else (
-                lambda x, r, w, eps: fused_add_layer_norm_ref(x, r, w, self.norm_bias, eps))
-            out, new_res = fn(self.x, self.residual, self.norm_weight, self.eps)
-            if self.res_out is not None:
-                self.res_out.copy_(new_res)
-            return out
-        if self.act == "relu":
-            y = torch.relu(self.x[..., :self.shape[-1]].float())
-            return (y * self.x[..., self.shape[-1]:].float() if self.gated else y).to(self.x.dtype)
-        approximate = "tanh" if self.act == "gelu_tanh" else "none"
-        return gated_gelu_ref(self.x, approximate) if self.gated else gelu_ref(self.x, approximate)
+        if self.norm == "rms":
+            out, new_res = fused_add_rms_norm_ref(self.x, self.residual, self.norm_weight, self.eps)
+        else:
+            out, new_res = fused_add_layer_norm_ref(self.x, self.residual, self.norm_weight, self.norm_bias, self.eps)
+        if self.res_out is not None:
+            self.res_out.copy_(new_res)
+        return out
+
+
+def activation_ref(y: torch.Tensor, act: str | None, gated: bool) -> torch.Tensor:
+    """What the GEMV's activation epilogue computes from the plain product ``y`` [..., N or 2N]."""
+    if act is None:
+        return y
+    if act == "relu":
+        n = y.shape[-1] // 2 if gated else y.shape[-1]
+        a = torch.relu(y[..., :n].float())
+        return (a * y[..., n:].float() if gated else a).to(y.dtype)
+    approximate = "tanh" if act == "gelu_tanh" else "none"
+    return gated_gelu_ref(y, approximate) if gated else gelu_ref(y, approximate)
 
 
 def launch_config(rows: int, n: int, k: int) -> tuple[int, int, int]:
@@ -182,20 +192,26 @@ def launch_config(rows: int, n: int, k: int) -> tuple[int, int, int]:
 
 
 def skinny_linear(x: torch.Tensor | Prologue, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                  act: str | None = None, gated: bool = False,
                   block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None
                   ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x [..., K]`` with at most ``MAX_ROWS`` rows;
-    ``weight [N, K]`` row-major. More rows (or no Triton) fall back to ``F.linear`` (a
-    ``Prologue`` is then materialized first). ``block_n``/``block_k``/``num_warps`` override
+    ``weight [N, K]`` row-major. ``x`` may be a ``Prologue`` (a norm computed on the fly);
+    ``act`` ("gelu", "gelu_tanh", "relu") is applied to the product, and with ``gated`` the
+    weight's two halves give ``act(x W1^T) * (x W2^T)`` [..., N / 2]. More rows (or no
+    Triton) fall back to the references. ``block_n``/``block_k``/``num_warps`` override
     ``launch_config`` (bench/tune_skinny.py)."""
     pro = x if isinstance(x, Prologue) else None
     src = pro.x if pro is not None else x
-    shape = x.shape
     rows = src.numel() // src.shape[-1] if src.shape[-1] else 0
     if rows > MAX_ROWS or rows == 0 or not can_use_triton(src, weight) or weight.stride(-1) != 1:
-        return skinny_linear_ref(pro.materialize() if pro is not None else x, weight, bias)
+        y = skinny_linear_ref(pro.materialize() if pro is not None else x, weight, bias)
+        return activation_ref(y, act, gated)
     n, k = weight.shape
-    x2 = src.reshape(rows, src.shape[-1])
+    if gated:
+        assert n % 2 == 0, f"a gated product needs an even number of weight rows, got {n}"
+        n //= 2
+    x2 = src.reshape(rows, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     res = res_out = x2
@@ -207,15 +223,15 @@ def skinny_linear(x: torch.Tensor | Prologue, weight: torch.Tensor, bias: torch.
     default_n, default_k, default_warps = launch_config(rows, n, k)
     block_n, block_k, num_warps = block_n or default_n, block_k or default_k, num_warps or default_warps
     grid = ((n + block_n - 1) // block_n,)
-    norm = 0 if pro is None or pro.norm is None else (1 if pro.norm == "rms" else 2)
+    norm = 0 if pro is None else (1 if pro.norm == "rms" else 2)
     nw = pro.norm_weight if norm else weight
     nb = pro.norm_bias if norm and pro.norm_bias is not None else weight
+    stats = min(1 << (k - 1).bit_length(), 4096 // block_m) if norm else 1
     _skinny_gemm_kernel[grid](x2, weight, bias if bias is not None else weight, out, res, nw, nb, res_out,
                               rows, n, k, x2.stride(0), weight.stride(0), out.stride(0), res.stride(0),
                               res_out.stride(0), float(pro.eps) if pro is not None else 0.0,
                               BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
                               NORM=norm, HAS_RES=bool(norm) and pro.residual is not None,
-                              NORM_BIAS=bool(norm) and pro.norm_bias is not None,
-                              ACT=_ACTS[pro.act] if pro is not None else 0,
-                              GATED=pro is not None and pro.gated, num_warps=num_warps)
-    return out.view(*shape[:-1], n)
+                              NORM_BIAS=bool(norm) and pro.norm_bias is not None, STATS_BLOCK=stats,
+                              ACT=ACTIVATIONS[act], GATED=gated, num_warps=num_warps)
+    return out.view(*src.shape[:-1], n)

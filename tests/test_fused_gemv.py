@@ -1,12 +1,14 @@
 """The fused decode GEMV end to end, on the CPU through Triton's interpreter (TRITON_INTERPRET=1,
-set by conftest): with every pre-norm and MLP activation deferred into the skinny GEMV that
-reads it (``engine/fast_linear.py``, ``kernels/skinny_gemm.Prologue``), one request decodes
-the same greedy tokens as the separate kernels, for every family, and the fusion really runs."""
+set by conftest): with every pre-norm deferred into the skinny GEMV that reads it
+(``kernels/skinny_gemm.Prologue``) and every MLP activation done in the GEMV before it
+(``engine/fast_linear.py``), one request decodes the same greedy tokens as the separate
+kernels, for every family, and the fusions really run."""
 import numpy as np
 import pytest
 
 from enc2dec.engine import LLM, KvCacheConfig, SamplingParams
 from enc2dec.engine import fast_linear
+from enc2dec.engine.models import layers
 from enc2dec.kernels.skinny_gemm import Prologue
 
 pytest.importorskip("triton")
@@ -30,12 +32,13 @@ def test_fused_norms_and_activations_decode_the_same_tokens(family, request, mon
         kinds = []
         kernel = fast_linear.skinny_linear
 
-        def spy(x, *args):
-            if isinstance(x, Prologue):
-                kinds.append(x.norm or x.act)
-            return kernel(x, *args)
+        def spy(x, *args, **kwargs):
+            kinds.extend([x.norm] if isinstance(x, Prologue) else [])
+            kinds.extend([kwargs["act"]] if kwargs.get("act") else [])
+            return kernel(x, *args, **kwargs)
 
-        monkeypatch.setattr(fast_linear, "skinny_linear", spy)
+        monkeypatch.setattr(fast_linear, "skinny_linear", spy)       # the projections
+        monkeypatch.setattr(layers, "skinny_linear", spy)            # the MLPs' first GEMV
         fused = llm.generate(_request(family), params, use_tqdm=False).outputs[0].token_ids
     assert fused == plain
     expected = {"t5_relu": {"rms", "relu"}, "flan_t5": {"rms", "gelu_tanh"}, "bart": {"gelu"},  # post-norm: acts only

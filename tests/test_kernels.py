@@ -28,6 +28,7 @@ from enc2dec.kernels.backend import TritonAttentionBackend
 from enc2dec.kernels.kv_store import store_kv
 from enc2dec.kernels.norms import fused_add_layer_norm, fused_add_rms_norm
 from enc2dec.kernels.paged_attention import paged_attention
+from enc2dec.kernels import skinny_gemm
 from enc2dec.kernels.skinny_gemm import Prologue, skinny_linear
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -284,54 +285,60 @@ def test_skinny_linear_matches_reference(rows, n, k, with_bias, dtype):
     assert_close(got, ref.skinny_linear_ref(x.float(), w.float(), None if b is None else b.float()), dtype)
 
 
-_PROLOGUES = {   # name -> Prologue keyword arguments (x, residual and the norm's tensors added below)
-    "rms": dict(norm="rms"), "rms+residual": dict(norm="rms", residual=True),
-    "layer+residual": dict(norm="layer", residual=True, norm_bias=True), "layer": dict(norm="layer"),
-    "gelu": dict(act="gelu"), "gated gelu_tanh": dict(act="gelu_tanh", gated=True), "relu": dict(act="relu"),
+_FUSIONS = {   # name -> (norm prologue: (kind, with residual, with bias) or None, (activation, gated) or None)
+    "rms": (("rms", False, False), None), "rms+residual": (("rms", True, False), None),
+    "layer+residual": (("layer", True, True), None), "layer": (("layer", False, False), None),
+    "gelu": (None, ("gelu", False)), "gated gelu_tanh": (None, ("gelu_tanh", True)), "relu": (None, ("relu", False)),
+    "rms+residual, gated gelu_tanh": (("rms", True, False), ("gelu_tanh", True)),      # a T5 MLP's first GEMV
+    "layer+residual, gelu": (("layer", True, True), ("gelu", False)),                   # a Whisper MLP's
 }
 
 
-def _prologue(name, rows, k, dtype, g):
-    spec = dict(_PROLOGUES[name])
-    width = 2 * k if spec.get("gated") else k
-    x = (torch.randn(rows, width, generator=g) + 0.5).to(DEVICE, dtype)          # mean 0.5: LayerNorm centres
-    kwargs = {kw: v for kw, v in spec.items() if kw not in ("residual", "norm_bias")}
-    if spec.get("residual"):
-        kwargs["residual"] = torch.randn(rows, k, generator=g).to(DEVICE, dtype)
-    if "norm" in spec:
-        kwargs["norm_weight"] = (1 + 0.1 * torch.randn(k, generator=g)).to(DEVICE, dtype)
-        kwargs["eps"] = 1e-5
-        if spec.get("norm_bias"):
+def _fused_case(name, rows, n, k, dtype, g):
+    norm, act = _FUSIONS[name]
+    x = (torch.randn(rows, k, generator=g) + 0.5).to(DEVICE, dtype)               # mean 0.5: LayerNorm centres
+    kwargs = {}
+    if norm:
+        kind, with_res, with_bias = norm
+        kwargs = dict(norm=kind, eps=1e-5, norm_weight=(1 + 0.1 * torch.randn(k, generator=g)).to(DEVICE, dtype))
+        if with_res:
+            kwargs["residual"] = torch.randn(rows, k, generator=g).to(DEVICE, dtype)
+        if with_bias:
             kwargs["norm_bias"] = torch.randn(k, generator=g).to(DEVICE, dtype)
-    return lambda: Prologue(x, **kwargs)
+    width = 2 * n if act and act[1] else n
+    w = (torch.randn(width, k, generator=g) / k ** 0.5).to(DEVICE, dtype)
+    b = torch.randn(width, generator=g).to(DEVICE, dtype)
+    make = (lambda: Prologue(x, **kwargs)) if norm else (lambda: x)
+    return make, w, b, dict(act=act[0], gated=act[1]) if act else {}
 
 
-@pytest.mark.parametrize("name", list(_PROLOGUES))
-@pytest.mark.parametrize("rows,n,k", [(1, 37, 100), (3, 20, 1300)])      # 1300: statistics over 2-3 K blocks
+@pytest.mark.parametrize("name", list(_FUSIONS))
+@pytest.mark.parametrize("rows,n,k", [(1, 37, 100), (3, 20, 1300)])      # 1300 with 3 rows: statistics in pieces
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_skinny_linear_fuses_the_norm_or_activation_before_it(name, rows, n, k, dtype):
-    """A deferred norm (+ residual add) or activation computed inside the GEMV gives what the
-    separate kernel followed by the product gives, and writes the whole new residual."""
+def test_skinny_linear_fuses_the_norm_before_it_and_the_activation_after_it(name, rows, n, k, dtype):
+    """A deferred norm (+ residual add) and an output activation (gated: act(gate) * up)
+    computed inside the GEMV give what the separate kernels around the product give, and the
+    whole new residual is written."""
     g = torch.Generator().manual_seed(rows * 7 + k)
-    make = _prologue(name, rows, k, dtype, g)
-    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEVICE, dtype)
-    b = torch.randn(n, generator=g).to(DEVICE, dtype)
+    make, w, b, act = _fused_case(name, rows, n, k, dtype, g)
     fused, unfused = make(), make()
-    assert fused.shape == (rows, k)
-    got = skinny_linear(fused, w, b)
-    inputs = unfused.materialize()
+    got = skinny_linear(fused, w, b, **act)
+    inputs = unfused.materialize() if isinstance(unfused, Prologue) else unfused
+    expected = ref.skinny_linear_ref(inputs.float(), w.float(), b.float())
+    if act:
+        expected = skinny_gemm.activation_ref(expected.to(dtype), act["act"], act["gated"])
     assert got.shape == (rows, n) and got.dtype == dtype
-    assert_close(got, ref.skinny_linear_ref(inputs.float(), w.float(), b.float()), dtype)
-    if fused.residual is not None:                 # program 0 wrote x + residual, every element
+    assert_close(got, expected, dtype)
+    if isinstance(fused, Prologue) and fused.residual is not None:   # program 0 wrote x + residual, all of it
         assert_close(fused.res_out, unfused.res_out, dtype)    # (the interpreter rounds bf16 down)
 
 
-def test_a_prologue_too_wide_for_the_kernel_is_computed_first():
+def test_fusions_too_wide_for_the_kernel_are_computed_around_the_library_gemm():
     g = torch.Generator().manual_seed(3)
-    make = _prologue("layer+residual", 40, 24, torch.float32, g)            # 40 rows > MAX_ROWS
-    w = torch.randn(8, 24, generator=g).to(DEVICE)
+    make, w, b, act = _fused_case("layer+residual, gelu", 40, 8, 24, torch.float32, g)   # 40 rows > MAX_ROWS
     fused, unfused = make(), make()
-    assert_close(skinny_linear(fused, w), ref.skinny_linear_ref(unfused.materialize(), w), torch.float32)
+    expected = skinny_gemm.activation_ref(ref.skinny_linear_ref(unfused.materialize(), w, b), "gelu", False)
+    assert_close(skinny_linear(fused, w, b, **act), expected, torch.float32)
     assert torch.equal(fused.res_out, unfused.res_out)
 
 

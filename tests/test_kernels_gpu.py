@@ -16,7 +16,7 @@ from enc2dec.kernels.activations import gated_gelu, gelu
 from enc2dec.kernels.backend import TritonAttentionBackend
 from enc2dec.kernels.kv_store import store_kv
 from enc2dec.kernels.norms import fused_add_layer_norm, fused_add_rms_norm
-from enc2dec.kernels.skinny_gemm import Prologue, skinny_linear
+from enc2dec.kernels.skinny_gemm import Prologue, activation_ref, skinny_linear
 from test_kernels import (  # tests/ is on sys.path (pytest's default import mode)
     TOL,
     assert_close,
@@ -86,33 +86,29 @@ def test_norms_and_activations_cuda(dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n,k,prologue", [
-    (3072, 1024, "rms"), (1024, 2816, "gelu_tanh"), (32128, 1024, None),       # flan-t5-large
-    (3840, 1280, "layer"), (1280, 5120, "gelu"), (51866, 1280, None),           # whisper-large-v3
+@pytest.mark.parametrize("n,k,norm,act", [
+    (3072, 1024, "rms", None), (2816, 1024, "rms", "gelu_tanh"), (1024, 2816, None, None),      # flan-t5-large
+    (32128, 1024, None, None),
+    (3840, 1280, "layer", None), (5120, 1280, "layer", "gelu"), (51866, 1280, None, None),      # whisper-large-v3
 ])
-def test_skinny_gemv_and_its_prologues_cuda(dtype, n, k, prologue):
-    """The one-row decode GEMV at serving shapes, with the norm (+ residual add) or activation
-    it fuses, against the separate reference ops and the library GEMM."""
+def test_skinny_gemv_and_its_fusions_cuda(dtype, n, k, norm, act):
+    """The one-row decode GEMV at serving shapes, with the norm (+ residual add) before it and
+    the activation after it (T5: gated) that it fuses, against the separate reference ops."""
     g = torch.Generator(device="cuda").manual_seed(n + k)
-    w = torch.randn(n, k, device="cuda", dtype=dtype, generator=g) / k ** 0.5
-    b = torch.randn(n, device="cuda", dtype=dtype, generator=g) if prologue == "layer" else None
-    width = 2 * k if prologue == "gelu_tanh" else k
-    x = torch.randn(1, width, device="cuda", dtype=dtype, generator=g)
+    gated = act == "gelu_tanh"
+    w = torch.randn(2 * n if gated else n, k, device="cuda", dtype=dtype, generator=g) / k ** 0.5
+    b = torch.randn(n, device="cuda", dtype=dtype, generator=g) if norm == "layer" else None
+    x = torch.randn(1, k, device="cuda", dtype=dtype, generator=g)
     residual = torch.randn(1, k, device="cuda", dtype=dtype, generator=g)
     nw = 1 + 0.1 * torch.randn(k, device="cuda", dtype=dtype, generator=g)
-    nb = 0.1 * torch.randn(k, device="cuda", dtype=dtype, generator=g)
-    if prologue is None:
-        assert_close(skinny_linear(x, w, b), ref.skinny_linear_ref(x.float(), w.float()), dtype)
-        return
-    if prologue in ("rms", "layer"):
-        kw = dict(residual=residual, norm=prologue, norm_weight=nw, norm_bias=nb if prologue == "layer" else None,
-                  eps=1e-5)
-    else:
-        kw = dict(act=prologue, gated=prologue == "gelu_tanh")
-    fused, unfused = Prologue(x, **kw), Prologue(x, **kw)
-    expected = ref.skinny_linear_ref(unfused.materialize().float(), w.float(), None if b is None else b.float())
-    assert_close(skinny_linear(fused, w, b), expected, dtype)
-    if fused.res_out is not None:
+    nb = 0.1 * torch.randn(k, device="cuda", dtype=dtype, generator=g) if norm == "layer" else None
+    fused = Prologue(x, residual, norm, nw, nb, 1e-5) if norm else x
+    unfused = Prologue(x, residual, norm, nw, nb, 1e-5) if norm else x
+    inputs = unfused.materialize() if norm else x
+    expected = ref.skinny_linear_ref(inputs.float(), w.float(), None if b is None else b.float()).to(dtype)
+    expected = activation_ref(expected, act, gated)
+    assert_close(skinny_linear(fused, w, b, act=act, gated=gated), expected, dtype)
+    if norm:
         assert torch.equal(fused.res_out, unfused.res_out)      # the new residual, rounded alike
 
 

@@ -23,7 +23,7 @@ from enc2dec.engine.attention import DecoderMetadata, EncoderMetadata, LayerKV
 from enc2dec.engine.distributed import SINGLE, TensorParallelGroup
 from enc2dec.kernels.activations import gated_gelu
 from enc2dec.kernels.norms import fused_add_layer_norm, fused_add_rms_norm
-from enc2dec.kernels.skinny_gemm import Prologue
+from enc2dec.kernels.skinny_gemm import Prologue, skinny_linear
 
 _gelu_tanh = functools.partial(F.gelu, approximate="tanh")
 
@@ -39,8 +39,8 @@ ACTIVATIONS = {
 }
 
 
-# Activations the skinny GEMV can apply to its input (kernels/skinny_gemm.py, ``Prologue``).
-_PROLOGUE_ACTS = {F.relu: "relu", F.gelu: "gelu", _gelu_tanh: "gelu_tanh"}
+# Activations the skinny GEMV can apply to its output (kernels/skinny_gemm.py).
+_GEMV_ACTS = {F.relu: "relu", F.gelu: "gelu", _gelu_tanh: "gelu_tanh"}
 
 
 def get_activation(name: str, option: str = "activation_function"):
@@ -49,8 +49,9 @@ def get_activation(name: str, option: str = "activation_function"):
     return ACTIVATIONS[name]
 
 
-def _one_row(x: torch.Tensor) -> bool:
-    return x.dim() >= 1 and x.shape[-1] > 0 and x.numel() == x.shape[-1]
+def _one_row(x: torch.Tensor | Prologue) -> bool:
+    shape = x.shape
+    return len(shape) >= 1 and shape[-1] > 0 and all(d == 1 for d in shape[:-1])
 
 
 def clamp_fp16(h: torch.Tensor) -> torch.Tensor:
@@ -62,10 +63,10 @@ def clamp_fp16(h: torch.Tensor) -> torch.Tensor:
 
 
 class _GemvFusable:
-    """A norm whose output only ever feeds one linear layer. ``engine/fast_linear.py`` sets
-    ``into_gemv`` where that layer runs the skinny GEMV: a one-row call then returns a
-    ``Prologue`` the GEMV computes as it loads its input (one launch fewer per norm), and the
-    new residual, which that GEMV writes. Only the models mark such norms
+    """A norm whose output only ever feeds one linear layer (or an MLP's first one).
+    ``engine/fast_linear.py`` sets ``into_gemv`` where that layer runs the skinny GEMV: a
+    one-row call then returns a ``Prologue`` the GEMV computes as it loads its input (one
+    launch fewer per norm), and the new residual, which that GEMV writes. Only the models mark such norms
     (``gemv_fed_norms``): a norm whose output is also the residual (post-norm BART) or goes
     elsewhere (final norms) never defers."""
 
@@ -182,13 +183,12 @@ class DenseMLP(nn.Module):
         self.fc2 = RowParallelLinear(d_ff, d_model, bias, tp)
         self.act = get_activation(act, option)
 
-    act_into_gemv = False       # set by engine/fast_linear.py where fc2 runs the skinny GEMV
+    act_into_gemv = False       # set by engine/fast_linear.py where fc1 runs the skinny GEMV
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc1(x)
-        if self.act_into_gemv and _one_row(h) and self.act in _PROLOGUE_ACTS:
-            return self.fc2(Prologue(h, act=_PROLOGUE_ACTS[self.act]))      # act in fc2's GEMV
-        return self.fc2(self.act(h))
+    def forward(self, x: torch.Tensor | Prologue) -> torch.Tensor:
+        if self.act_into_gemv and _one_row(x) and self.act in _GEMV_ACTS:     # act in fc1's kernel
+            return self.fc2(skinny_linear(x, self.fc1.weight, self.fc1.bias, act=_GEMV_ACTS[self.act]))
+        return self.fc2(self.act(self.fc1(x)))
 
 
 class GatedMLP(nn.Module):
@@ -201,12 +201,12 @@ class GatedMLP(nn.Module):
         self.fc2 = RowParallelLinear(d_ff, d_model, False, tp)
         self.act = get_activation(act, option)
 
-    act_into_gemv = False       # set by engine/fast_linear.py where fc2 runs the skinny GEMV
+    act_into_gemv = False       # set by engine/fast_linear.py where gate_up runs the skinny GEMV
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Prologue) -> torch.Tensor:
+        if self.act_into_gemv and _one_row(x) and self.act in _GEMV_ACTS:     # act(gate) * up in one kernel
+            return self.fc2(skinny_linear(x, self.gate_up.weight, None, act=_GEMV_ACTS[self.act], gated=True))
         gate_up = self.gate_up(x)                                # [T, 2 * d_ff / tp]
-        if self.act_into_gemv and _one_row(gate_up) and self.act in _PROLOGUE_ACTS:
-            return self.fc2(Prologue(gate_up, act=_PROLOGUE_ACTS[self.act], gated=True))
         if gate_up.is_cuda and self.act is _gelu_tanh:
             return self.fc2(gated_gelu(gate_up, approximate="tanh"))   # one fused kernel
         gate, up = gate_up.chunk(2, dim=-1)                      # [T, d_ff / tp] each
