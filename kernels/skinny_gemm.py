@@ -17,7 +17,8 @@ output would be):
   loads its input row (each first reads the row once for its statistics; program 0 also
   writes the new residual);
 - ``act`` applies an activation to the output, and ``gated`` pairs weight rows ``n`` and
-  ``N + n`` so the gate|up projection and ``act(gate) * up`` are one kernel.
+  ``N + n`` so the gate|up projection and ``act(gate) * up`` are one kernel;
+- ``kv_store`` writes the k and v thirds of a q|k|v projection into the paged caches.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import torch
 
 from . import can_use_triton, lazy_jit
 from .reference import (fused_add_layer_norm_ref, fused_add_rms_norm_ref, gated_gelu_ref, gelu_ref,
-                        skinny_linear_ref)
+                        skinny_linear_ref, store_kv_ref)
 
 tl = None  # triton.language, bound by lazy_jit at the first launch (annotations stay strings)
 
@@ -36,15 +37,17 @@ MAX_ROWS = 16
 
 @lazy_jit
 def _skinny_gemm_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, nb_ptr, res_out_ptr,
-    M, N, K, stride_xm, stride_wn, stride_om, stride_rm, stride_rom, eps,
+    x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, nb_ptr, res_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    M, N, K, stride_xm, stride_wn, stride_om, stride_rm, stride_rom, eps, kv_width,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     NORM: tl.constexpr, HAS_RES: tl.constexpr, NORM_BIAS: tl.constexpr, STATS_BLOCK: tl.constexpr,
-    ACT: tl.constexpr, GATED: tl.constexpr,
+    ACT: tl.constexpr, GATED: tl.constexpr, STORE_KV: tl.constexpr,
 ):
     # Prologue, NORM: 0 none, 1 RMSNorm, 2 LayerNorm of x (+ residual with HAS_RES).
     # Epilogue, ACT: 0 none, 1 gelu (erf), 2 gelu (tanh), 3 relu of the output; GATED: weight
     # rows [N, 2N) are the "up" half, out[:, n] = act(x . w[n]) * (x . w[N + n]).
+    # STORE_KV: the output is q|k|v, kv_width wide each; k and v also go to the paged caches
+    # (contiguous [blocks, tokens_per_block, heads, head_dim]) at each row's slot (< 0: nowhere).
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)                         # [BN]
     offs_m = tl.arange(0, BLOCK_M)                                         # [BM]
@@ -121,8 +124,16 @@ def _skinny_gemm_kernel(
         if GATED:
             g = g * acc_up.to(act_dtype).to(tl.float32)
         acc = g
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=mask_m[:, None] & mask_n[None, :])
+    out = acc.to(out_ptr.dtype.element_ty)
+    mo = mask_m[:, None] & mask_n[None, :]
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=mo)
+    if STORE_KV:
+        slot = tl.load(slot_ptr + offs_m, mask=mask_m, other=-1).to(tl.int64)             # [BM]
+        dst = slot[:, None] * kv_width + (offs_n % kv_width)[None, :]
+        live = mo & (slot >= 0)[:, None]
+        is_k = (offs_n >= kv_width) & (offs_n < 2 * kv_width)
+        tl.store(k_cache_ptr + dst, out.to(k_cache_ptr.dtype.element_ty), mask=live & is_k[None, :])
+        tl.store(v_cache_ptr + dst, out.to(v_cache_ptr.dtype.element_ty), mask=live & (offs_n >= 2 * kv_width)[None, :])
 
 
 ACTIVATIONS = {None: 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
@@ -192,21 +203,27 @@ def launch_config(rows: int, n: int, k: int) -> tuple[int, int, int]:
 
 
 def skinny_linear(x: torch.Tensor | Prologue, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                  act: str | None = None, gated: bool = False,
+                  act: str | None = None, gated: bool = False, kv_store: tuple | None = None,
                   block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None
                   ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x [..., K]`` with at most ``MAX_ROWS`` rows;
     ``weight [N, K]`` row-major. ``x`` may be a ``Prologue`` (a norm computed on the fly);
     ``act`` ("gelu", "gelu_tanh", "relu") is applied to the product, and with ``gated`` the
-    weight's two halves give ``act(x W1^T) * (x W2^T)`` [..., N / 2]. More rows (or no
-    Triton) fall back to the references. ``block_n``/``block_k``/``num_warps`` override
+    weight's two halves give ``act(x W1^T) * (x W2^T)`` [..., N / 2]. ``kv_store`` =
+    ``(k_cache, v_cache, slot_mapping)`` for a fused q|k|v projection: its k and v thirds are
+    also written to the caches, as ``store_kv`` would. More rows (or no Triton) fall back to
+    the references. ``block_n``/``block_k``/``num_warps`` override
     ``launch_config`` (bench/tune_skinny.py)."""
     pro = x if isinstance(x, Prologue) else None
     src = pro.x if pro is not None else x
     rows = src.numel() // src.shape[-1] if src.shape[-1] else 0
     if rows > MAX_ROWS or rows == 0 or not can_use_triton(src, weight) or weight.stride(-1) != 1:
-        y = skinny_linear_ref(pro.materialize() if pro is not None else x, weight, bias)
-        return activation_ref(y, act, gated)
+        y = activation_ref(skinny_linear_ref(pro.materialize() if pro is not None else x, weight, bias), act, gated)
+        if kv_store is not None:
+            q, k, v = y.reshape(-1, 3, y.shape[-1] // 3).unbind(1)
+            k_cache, v_cache, slots = kv_store
+            store_kv_ref(k.reshape(-1, *k_cache.shape[2:]), v.reshape(-1, *v_cache.shape[2:]), k_cache, v_cache, slots)
+        return y
     n, k = weight.shape
     if gated:
         assert n % 2 == 0, f"a gated product needs an even number of weight rows, got {n}"
@@ -227,11 +244,20 @@ def skinny_linear(x: torch.Tensor | Prologue, weight: torch.Tensor, bias: torch.
     nw = pro.norm_weight if norm else weight
     nb = pro.norm_bias if norm and pro.norm_bias is not None else weight
     stats = min(1 << (k - 1).bit_length(), 4096 // block_m) if norm else 1
+    k_cache = v_cache = slots = weight
+    kv_width = 0
+    if kv_store is not None:
+        k_cache, v_cache, slots = kv_store
+        kv_width = n // 3
+        assert n % 3 == 0 and k_cache.is_contiguous() and v_cache.is_contiguous() and \
+            k_cache[0, 0].numel() == kv_width, "kv_store needs a q|k|v output and contiguous caches of its width"
     _skinny_gemm_kernel[grid](x2, weight, bias if bias is not None else weight, out, res, nw, nb, res_out,
+                              k_cache, v_cache, slots,
                               rows, n, k, x2.stride(0), weight.stride(0), out.stride(0), res.stride(0),
-                              res_out.stride(0), float(pro.eps) if pro is not None else 0.0,
+                              res_out.stride(0), float(pro.eps) if pro is not None else 0.0, kv_width,
                               BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
                               NORM=norm, HAS_RES=bool(norm) and pro.residual is not None,
                               NORM_BIAS=bool(norm) and pro.norm_bias is not None, STATS_BLOCK=stats,
-                              ACT=ACTIVATIONS[act], GATED=gated, num_warps=num_warps)
+                              ACT=ACTIVATIONS[act], GATED=gated, STORE_KV=kv_store is not None,
+                              num_warps=num_warps)
     return out.view(*src.shape[:-1], n)

@@ -35,12 +35,13 @@ def test_fused_norms_and_activations_decode_the_same_tokens(family, request, mon
         def spy(x, *args, **kwargs):
             kinds.extend([x.norm] if isinstance(x, Prologue) else [])
             kinds.extend([kwargs["act"]] if kwargs.get("act") else [])
+            kinds.extend(["kv store"] if kwargs.get("kv_store") else [])
             return kernel(x, *args, **kwargs)
 
         monkeypatch.setattr(fast_linear, "skinny_linear", spy)       # the projections
-        monkeypatch.setattr(layers, "skinny_linear", spy)            # the MLPs' first GEMV
+        monkeypatch.setattr(layers, "skinny_linear", spy)            # the MLPs' first GEMV, q|k|v + store
         fused = llm.generate(_request(family), params, use_tqdm=False).outputs[0].token_ids
     assert fused == plain
-    expected = {"t5_relu": {"rms", "relu"}, "flan_t5": {"rms", "gelu_tanh"}, "bart": {"gelu"},  # post-norm: acts only
+    expected = {"t5_relu": {"rms", "relu"}, "flan_t5": {"rms", "gelu_tanh"}, "bart": {"gelu"},  # post-norm: no norms
                 "mbart": {"layer", "relu"}, "whisper": {"layer", "gelu"}}[family]
-    assert set(kinds) == expected
+    assert set(kinds) == expected | {"kv store"}

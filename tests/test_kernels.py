@@ -333,6 +333,27 @@ def test_skinny_linear_fuses_the_norm_before_it_and_the_activation_after_it(name
         assert_close(fused.res_out, unfused.res_out, dtype)    # (the interpreter rounds bf16 down)
 
 
+@pytest.mark.parametrize("rows,slots", [(1, [5]), (1, [-1]), (3, [0, 9, -1])])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qkv_gemv_stores_k_and_v_in_the_cache(rows, slots, dtype):
+    """The q|k|v projection with ``kv_store`` returns the product and writes its k and v
+    thirds at each row's slot (a negative slot nowhere), exactly as ``store_kv`` after it."""
+    g = torch.Generator().manual_seed(rows)
+    heads, head_dim, tpb, blocks, d = 3, 5, 4, 3, 70
+    x = torch.randn(rows, d, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(3 * heads * head_dim, d, generator=g) / d ** 0.5).to(DEVICE, dtype)
+    b = torch.randn(3 * heads * head_dim, generator=g).to(DEVICE, dtype)
+    slot_mapping = torch.tensor(slots, dtype=torch.long, device=DEVICE)
+    caches = [torch.randn(blocks, tpb, heads, head_dim, generator=g).to(DEVICE, dtype) for _ in range(2)]
+    want_k, want_v = (c.clone() for c in caches)
+    got = skinny_linear(x, w, b, kv_store=(caches[0], caches[1], slot_mapping))
+    expected = ref.skinny_linear_ref(x.float(), w.float(), b.float()).to(dtype)
+    assert_close(got, expected, dtype)
+    _, k, v = got.view(rows, 3, heads, head_dim).unbind(1)
+    ref.store_kv_ref(k, v, want_k, want_v, slot_mapping)
+    assert torch.equal(caches[0], want_k) and torch.equal(caches[1], want_v)
+
+
 def test_fusions_too_wide_for_the_kernel_are_computed_around_the_library_gemm():
     g = torch.Generator().manual_seed(3)
     make, w, b, act = _fused_case("layer+residual, gelu", 40, 8, 24, torch.float32, g)   # 40 rows > MAX_ROWS

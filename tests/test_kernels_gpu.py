@@ -113,6 +113,22 @@ def test_skinny_gemv_and_its_fusions_cuda(dtype, n, k, norm, act):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,head_dim,d", [(16, 64, 1024), (20, 64, 1280)])     # flan-t5-large, whisper-large-v3
+def test_qkv_gemv_stores_k_and_v_cuda(dtype, heads, head_dim, d):
+    g = torch.Generator(device="cuda").manual_seed(d)
+    x = torch.randn(1, d, device="cuda", dtype=dtype, generator=g)
+    w = torch.randn(3 * heads * head_dim, d, device="cuda", dtype=dtype, generator=g) / d ** 0.5
+    caches = [torch.randn(64, 16, heads, head_dim, device="cuda", dtype=dtype, generator=g) for _ in range(2)]
+    want_k, want_v = (c.clone() for c in caches)
+    slot = torch.tensor([517], dtype=torch.long, device="cuda")
+    got = skinny_linear(x, w, None, kv_store=(caches[0], caches[1], slot))
+    assert_close(got, ref.skinny_linear_ref(x.float(), w.float()).to(dtype), dtype)
+    _, k, v = got.view(1, 3, heads, head_dim).unbind(1)
+    ref.store_kv_ref(k, v, want_k, want_v, slot)
+    assert torch.equal(caches[0], want_k) and torch.equal(caches[1], want_v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_backend_matches_torch_backend_without_host_syncs(dtype, monkeypatch):
     num_seqs = 24
     q_lens = [1] * (num_seqs - 2) + [3, 40]

@@ -236,10 +236,17 @@ class SelfAttention(nn.Module):
         o = self.backend.encoder_attention(q, k, v, meta, self.scale, bias_table)  # [T, H, D]
         return self.out_proj(o.reshape(x.shape[0], -1))
 
-    def decode(self, x: torch.Tensor, meta: DecoderMetadata, kv: LayerKV,
+    store_in_gemv = False       # set by engine/fast_linear.py where qkv runs the skinny GEMV
+
+    def decode(self, x: torch.Tensor | Prologue, meta: DecoderMetadata, kv: LayerKV,
                bias_table: torch.Tensor | None = None):
-        q, k, v = self._split_qkv(x)                                              # [N, H, D]
-        self.backend.store_kv(k, v, kv.k, kv.v, meta.slot_mapping)
+        if self.store_in_gemv and _one_row(x) and kv.k.is_contiguous() and kv.v.is_contiguous():
+            # one kernel projects q|k|v and writes k and v into the cache
+            qkv = skinny_linear(x, self.qkv.weight, self.qkv.bias, kv_store=(kv.k, kv.v, meta.slot_mapping))
+            q = qkv.view(1, 3, self.num_heads, self.head_dim)[:, 0]
+        else:
+            q, k, v = self._split_qkv(x)                                          # [N, H, D]
+            self.backend.store_kv(k, v, kv.k, kv.v, meta.slot_mapping)
         o = self.backend.self_attention(q, kv.k, kv.v, meta, self.scale, bias_table)
         return self.out_proj(o.reshape(x.shape[0], -1))
 
