@@ -40,7 +40,7 @@ def _skinny_gemm_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, nb_ptr, res_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     M, N, K, stride_xm, stride_wn, stride_om, stride_rm, stride_rom, eps, kv_width,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    NORM: tl.constexpr, HAS_RES: tl.constexpr, NORM_BIAS: tl.constexpr, STATS_BLOCK: tl.constexpr,
+    NORM: tl.constexpr, HAS_RES: tl.constexpr, NORM_BIAS: tl.constexpr, STATS_BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
     ACT: tl.constexpr, GATED: tl.constexpr, STORE_KV: tl.constexpr,
 ):
     # Prologue, NORM: 0 none, 1 RMSNorm, 2 LayerNorm of x (+ residual with HAS_RES).
@@ -68,17 +68,17 @@ def _skinny_gemm_kernel(
             if HAS_RES:
                 r = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_s[None, :], mask=ms, other=0.0)
                 h = (h + r.to(tl.float32)).to(act_dtype).to(tl.float32)
-            if NORM == 1 or STATS_BLOCK < K:
-                s2 += tl.sum(h * h, axis=1)
             s1 += tl.sum(h, axis=1)
-            if NORM == 2 and STATS_BLOCK >= K:    # whole row at hand: centred variance, as the norm kernel
+            if NORM == 2 and ONE_PASS:            # whole row at hand: centred variance, as the norm kernel
                 c = tl.where(ms, h - (s1 / K)[:, None], 0.0)
                 s2 = tl.sum(c * c, axis=1)
+            else:
+                s2 += tl.sum(h * h, axis=1)
         if NORM == 1:
             rstd = tl.rsqrt(s2 / K + eps)
         else:
             mean = s1 / K
-            if STATS_BLOCK >= K:
+            if ONE_PASS:
                 rstd = tl.rsqrt(s2 / K + eps)
             else:
                 rstd = tl.rsqrt(tl.maximum(s2 / K - mean * mean, 0.0) + eps)
@@ -258,6 +258,7 @@ def skinny_linear(x: torch.Tensor | Prologue, weight: torch.Tensor, bias: torch.
                               BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
                               NORM=norm, HAS_RES=bool(norm) and pro.residual is not None,
                               NORM_BIAS=bool(norm) and pro.norm_bias is not None, STATS_BLOCK=stats,
+                              ONE_PASS=stats >= k,
                               ACT=ACTIVATIONS[act], GATED=gated, STORE_KV=kv_store is not None,
                               num_warps=num_warps)
     return out.view(*src.shape[:-1], n)
