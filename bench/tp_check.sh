@@ -3,7 +3,7 @@
 # identical to TP=1 on tiny models; bf16 TP=2 inside CUDA graphs), then flan-t5-xl bf16 with
 # dummy weights, 128 input / 128 output tokens, concurrency 1 and 64, TP=1 against TP=2.
 # JSON reports land under $OUT; a short table is printed last. About 6 minutes with the
-# install; each part has its own limit (TEST_LIMIT_S, BENCH_LIMIT_S).    OUT=./tp-out bench/tp_check.sh
+# install; each part has its own limit (TEST_LIMIT_S, BENCH_LIMIT_S); TP_TEST_K picks tests (pytest -k).    OUT=./tp-out bench/tp_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OUT=$(realpath -m "${OUT:-./tp-out}"); mkdir -p "$OUT"
@@ -13,7 +13,8 @@ python -c "import enc2dec.cli.main" 2>/dev/null ||
   python -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || tail -3 "$OUT/install.log"
 python -c "import torch; print('gpus', torch.cuda.device_count())" | tee "$OUT/tp-machine.txt"
 echo "== pytest -m gpu tests/test_tp_gpu.py"
-timeout ${TEST_LIMIT_S:-180} python -m pytest -m gpu -q -p no:cacheprovider tests/test_tp_gpu.py >"$OUT/tp_tests.log" 2>&1
+timeout ${TEST_LIMIT_S:-180} python -m pytest -m gpu -q -p no:cacheprovider tests/test_tp_gpu.py ${TP_TEST_K:+-k "$TP_TEST_K"} \
+    >"$OUT/tp_tests.log" 2>&1
 echo "exit $?"; grep -E "passed|failed|skipped" "$OUT/tp_tests.log" | tail -1; grep -E "^FAILED|^ERROR" "$OUT/tp_tests.log" | head -8
 B="python -m enc2dec.cli.main bench"
 XL="--model google/flan-t5-xl --load-format dummy --dtype bfloat16 --input-len 128 --output-len 128 --quiet"
