@@ -92,8 +92,9 @@ def bench(
     num_requests: Annotated[OptStr, _work("Measured requests per level, or a comma list with one per level "
                                           "(default: max(4 x C, 32); no limit with --duration).")] = None,
     duration: Annotated[OptFloat, _work("Seconds per level; requests in flight at the end finish and count.")] = None,
-    warmup: Annotated[int, _work("Warm-up requests before each level, not measured (baselines: one batch of "
-                                 "each size when > 0).")] = 2,
+    warmup: Annotated[int, _work("Warm-up requests before each level, not measured; when > 0 at least one "
+                                 "wave of C requests, so the level's batch shapes are compiled first "
+                                 "(baselines: one batch of each size).")] = 2,
     input_len: Annotated[int, _work("Synthetic encoder input tokens (mean).")] = 128,
     output_len: Annotated[int, _work("Output tokens per request (mean), forced exactly with ignore_eos; the "
                                      "default for dataset rows without output_tokens.")] = 128,

@@ -93,7 +93,8 @@ def test_run_bench_metrics_are_consistent(fake_llm):
     result = session.run_bench(opts)
     assert result.exit_code == 0 and [lv.concurrency for lv in result.levels] == [1, 4]
     llm = fake_llm[0]
-    assert llm.shut_down and len(llm.prompts) == 2 * (8 + 2)      # warm-up sent but not measured
+    # warm-up sent but not measured: 2 requests before C=1, a wave of 4 before C=4
+    assert llm.shut_down and len(llm.prompts) == (8 + 2) + (8 + 4)
     assert llm.args.kv_cache_config.cross_kv_cache_fraction == 0.5
     for lv in result.levels:
         assert lv.num_requests == lv.completed == 8 and lv.output_tokens == 8 * 5 and lv.input_tokens == 8 * 16
