@@ -102,6 +102,9 @@ class ModelRunner:
         self._prev_rows: dict[int, int] = {}              # seq_id -> row in _prev_tokens
         self.graphs = self._maybe_capture(attn_backend, max_input_len)
         self.encoder_graphs = self._maybe_capture_encoder(max_input_len) if self.graphs is not None else None
+        if self.graphs is None and self.args.encoder_cuda_graph_config is not None and device.type == "cuda":
+            logger.info("no encoder CUDA graphs: they are captured only alongside decoder graphs "
+                        "(cuda_graph_config, bf16/fp16, triton); encoder batches run eagerly")
 
     def _maybe_capture(self, attn_backend: str, max_input_len: int):
         cfg = self.args.cuda_graph_config
