@@ -4,9 +4,9 @@
 #   profile  bench/profile_step.py: kernels per decoder step, T5 and Whisper, C=1 and 64
 #   t5       flan-t5-large 128/128 at T5_CONC against BASELINES (issue 4's targets)
 #   ablate   graphs off / overlap off / torch attention / skinny GEMV off / its fused norms off /
-#            encoder graphs off, at C=1 and 64 (T5_ABLATE; Whisper for those in WHISPER_ABLATE)
+#            encoder graphs off, at C=1 and 64 (T5_ABLATE; Whisper for those in WHISPER_ABLATE);
+#            'default' is the same levels with nothing off, e.g. WHISPER_ABLATE="default noegraph"
 #   whisper  whisper-large-v3 30 s/96 tokens at WHISPER_CONC against BASELINES
-#   egraph   encoder CUDA graphs on, then off: flan-t5-large C=1,8,64 and whisper-large-v3 C=1,64
 #   wtok     whisper-large-v3 at C=64 for each per-step token budget in WTOK (admission speed)
 #   rtf      bench/transcribe_rtf.sh (10 minutes of audio, both long-form strategies)
 #   eval     enc2dec eval on the real LibriVox manifest with real Whisper base, bf16, vs HF
@@ -100,15 +100,6 @@ for section in $SECTIONS; do
     done ;;
   whisper) run whisper ${WHISPER_LIMIT_S:-300} $WH --concurrency ${WHISPER_CONC:-1,8,32,64} \
         --num-requests ${WHISPER_NUM:-4,16,64,128} --warmup 1 --baseline "$BASELINES" ;;
-  egraph)
-    printf 'encoder_cuda_graph_config:\n  enable_padding: true\n' >"$WORK/egraph.yaml"
-    # each with encoder graphs on, then off, back to back (same machine state)
-    [[ " ${EGRAPH_MODELS:-t5 whisper} " == *" t5 "* ]] && for v in egraph default; do
-      cfg=(); [ $v = egraph ] && cfg=(--config "$WORK/egraph.yaml")
-      run t5-$v ${EGRAPH_LIMIT_S:-150} $T5 "${cfg[@]}" --concurrency 1,8,64 --num-requests 8,32,128 --warmup 2; done
-    [[ " ${EGRAPH_MODELS:-t5 whisper} " == *" whisper "* ]] && for v in egraph default; do
-      cfg=(); [ $v = egraph ] && cfg=(--config "$WORK/egraph.yaml")
-      run whisper-$v ${EGRAPH_LIMIT_S:-150} $WH "${cfg[@]}" --concurrency 1,64 --num-requests 4,128 --warmup 1; done ;;
   wtok) for t in ${WTOK:-8192 24576}; do
       run "whisper-mnt$t" ${WTOK_LIMIT_S:-100} $WH --concurrency 64 --num-requests 128 --warmup 1 --max-num-tokens $t
     done ;;
