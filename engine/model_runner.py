@@ -101,10 +101,7 @@ class ModelRunner:
         self._prev_tokens: torch.Tensor | None = None     # last step's samples, on the device
         self._prev_rows: dict[int, int] = {}              # seq_id -> row in _prev_tokens
         self.graphs = self._maybe_capture(attn_backend, max_input_len)
-        self.encoder_graphs = self._maybe_capture_encoder(max_input_len) if self.graphs is not None else None
-        if self.graphs is None and self.args.encoder_cuda_graph_config is not None and device.type == "cuda":
-            logger.info("no encoder CUDA graphs: they are captured only alongside decoder graphs "
-                        "(cuda_graph_config, bf16/fp16, triton); encoder batches run eagerly")
+        self.encoder_graphs = self._maybe_capture_encoder(max_input_len)
 
     def _maybe_capture(self, attn_backend: str, max_input_len: int):
         cfg = self.args.cuda_graph_config
@@ -131,7 +128,11 @@ class ModelRunner:
         """Encoder graphs per ``encoder_cuda_graph_config`` (default on; None turns them off),
         where decoder graphs run: CUDA, bf16/fp16, triton (docs/architecture.md)."""
         cfg = self.args.encoder_cuda_graph_config
-        if cfg is None:
+        if cfg is None or self.device.type != "cuda":
+            return None
+        if self.graphs is None:
+            logger.info("no encoder CUDA graphs: they are captured only alongside decoder graphs "
+                        "(cuda_graph_config, bf16/fp16, triton); encoder batches run eagerly")
             return None
         from .cuda_graph import EncoderGraphRunner, encoder_buckets
 
