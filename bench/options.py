@@ -129,7 +129,12 @@ def build_workload(opts: BenchOptions, is_whisper: bool, vocab_size: int | None)
     return reqs, desc
 
 
+def cycle_requests(reqs: list[BenchRequest], n: int) -> list[BenchRequest]:
+    """The first ``n`` requests of ``reqs`` repeated as often as needed."""
+    return [reqs[i % len(reqs)] for i in range(n)]
+
+
 def _split_warmup(reqs: list[BenchRequest], warmup: int) -> tuple[list[BenchRequest], list[BenchRequest]]:
-    warm = [reqs[i % len(reqs)] for i in range(warmup)]
+    warm = cycle_requests(reqs, warmup)
     measured = reqs[warmup:] if len(reqs) > warmup else reqs
     return warm, measured

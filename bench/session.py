@@ -19,7 +19,7 @@ from typing import Callable
 from .errors import BenchInputError
 from .loop import Progress, closed_loop
 from .metrics import LevelMetrics, compute_level
-from .options import BenchOptions, _split_warmup, build_workload
+from .options import BenchOptions, _split_warmup, build_workload, cycle_requests
 from .thresholds import check_thresholds
 from .workloads import BenchRequest
 
@@ -51,7 +51,7 @@ async def _bench_target(target, reqs: list[BenchRequest], opts: BenchOptions, pr
             # each size: first-use work for the level's batch shapes (kernel compiles, suspected)
             # must not land in the measured window (run I: Whisper C=64 on a fresh machine
             # 3,343 tok/s with a 1-request warm-up, 5,914 on the same machine later).
-            wave = [reqs[i % len(reqs)] for i in range(max(len(warm), c))]
+            wave = cycle_requests(reqs, max(len(warm), c))
             progress.start(f"{target.name} C={c} warm-up", len(wave))
             await closed_loop(target.send, wave, c, len(wave), None, progress)
         n = opts.level_num_requests(c)
