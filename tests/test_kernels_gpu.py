@@ -16,12 +16,13 @@ from enc2dec.kernels.activations import gated_gelu, gelu
 from enc2dec.kernels.backend import TritonAttentionBackend
 from enc2dec.kernels.kv_store import store_kv
 from enc2dec.kernels.norms import fused_add_layer_norm, fused_add_rms_norm
-from enc2dec.kernels.skinny_gemm import Prologue, activation_ref, skinny_linear
 from test_kernels import (  # tests/ is on sys.path (pytest's default import mode)
     TOL,
     assert_close,
     check_backend_decode,
+    check_fused,
     check_paged,
+    check_qkv_store,
     decoder_meta,
     encoder_meta,
     make_paged_case,
@@ -86,46 +87,21 @@ def test_norms_and_activations_cuda(dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n,k,norm,act", [
-    (3072, 1024, "rms", None), (2816, 1024, "rms", "gelu_tanh"), (1024, 2816, None, None),      # flan-t5-large
-    (32128, 1024, None, None),
-    (3840, 1280, "layer", None), (5120, 1280, "layer", "gelu"), (51866, 1280, None, None),      # whisper-large-v3
+@pytest.mark.parametrize("name,n,k", [
+    ("rms+residual", 3072, 1024), ("rms+residual, gated gelu_tanh", 2816, 1024), ("plain", 1024, 2816),
+    ("plain", 32128, 1024),                                                                  # flan-t5-large
+    ("layer+residual", 3840, 1280), ("layer+residual, gelu", 5120, 1280), ("plain", 51866, 1280),   # whisper-large-v3
 ])
-def test_skinny_gemv_and_its_fusions_cuda(dtype, n, k, norm, act):
+def test_skinny_gemv_and_its_fusions_cuda(dtype, name, n, k):
     """The one-row decode GEMV at serving shapes, with the norm (+ residual add) before it and
-    the activation after it (T5: gated) that it fuses, against the separate reference ops."""
-    g = torch.Generator(device="cuda").manual_seed(n + k)
-    gated = act == "gelu_tanh"
-    w = torch.randn(2 * n if gated else n, k, device="cuda", dtype=dtype, generator=g) / k ** 0.5
-    b = torch.randn(n, device="cuda", dtype=dtype, generator=g) if norm == "layer" else None
-    x = torch.randn(1, k, device="cuda", dtype=dtype, generator=g)
-    residual = torch.randn(1, k, device="cuda", dtype=dtype, generator=g)
-    nw = 1 + 0.1 * torch.randn(k, device="cuda", dtype=dtype, generator=g)
-    nb = 0.1 * torch.randn(k, device="cuda", dtype=dtype, generator=g) if norm == "layer" else None
-    fused = Prologue(x, residual, norm, nw, nb, 1e-5) if norm else x
-    unfused = Prologue(x, residual, norm, nw, nb, 1e-5) if norm else x
-    inputs = unfused.materialize() if norm else x
-    expected = ref.skinny_linear_ref(inputs.float(), w.float(), None if b is None else b.float()).to(dtype)
-    expected = activation_ref(expected, act, gated)
-    assert_close(skinny_linear(fused, w, b, act=act, gated=gated), expected, dtype)
-    if norm:
-        assert torch.equal(fused.res_out, unfused.res_out)      # the new residual, rounded alike
+    the activation after it (T5: gated) that it fuses; the new residual rounded alike, bit for bit."""
+    check_fused(name, 1, n, k, dtype, exact_residual=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,head_dim,d", [(16, 64, 1024), (20, 64, 1280)])     # flan-t5-large, whisper-large-v3
 def test_qkv_gemv_stores_k_and_v_cuda(dtype, heads, head_dim, d):
-    g = torch.Generator(device="cuda").manual_seed(d)
-    x = torch.randn(1, d, device="cuda", dtype=dtype, generator=g)
-    w = torch.randn(3 * heads * head_dim, d, device="cuda", dtype=dtype, generator=g) / d ** 0.5
-    caches = [torch.randn(64, 16, heads, head_dim, device="cuda", dtype=dtype, generator=g) for _ in range(2)]
-    want_k, want_v = (c.clone() for c in caches)
-    slot = torch.tensor([517], dtype=torch.long, device="cuda")
-    got = skinny_linear(x, w, None, kv_store=(caches[0], caches[1], slot))
-    assert_close(got, ref.skinny_linear_ref(x.float(), w.float()).to(dtype), dtype)
-    _, k, v = got.view(1, 3, heads, head_dim).unbind(1)
-    ref.store_kv_ref(k, v, want_k, want_v, slot)
-    assert torch.equal(caches[0], want_k) and torch.equal(caches[1], want_v)
+    check_qkv_store(1, [517], dtype, heads, head_dim, d, blocks=64, tpb=16)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
