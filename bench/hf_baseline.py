@@ -66,7 +66,7 @@ class HfBaseline:
             raise BenchInputError(f"--baseline {kind!r} is not valid; valid: {', '.join(BASELINES)}")
         import torch
         import transformers
-        from enc2dec.engine.model_source import resolve_model
+        from enc2dec.engine.inputs.model_source import resolve_model
         from transformers import AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq
 
         self.name = kind

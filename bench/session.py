@@ -200,7 +200,7 @@ class _Run:
         from .hf_baseline import HfBaseline, resolve_device_dtype
 
         if device is None:          # --url: the baseline runs here, by the engine's device/dtype rule
-            from enc2dec.engine.model_source import resolve_model
+            from enc2dec.engine.inputs.model_source import resolve_model
 
             cfg = resolve_model(opts.model, None, opts.load_format or "auto").hf_config
             device, dtype = resolve_device_dtype(opts.device or "auto", opts.dtype or "auto", cfg)

@@ -23,8 +23,8 @@ import soundfile as sf
 
 from enc2dec.bench.audio import synthetic_clip
 from enc2dec.engine import LLM, KvCacheConfig, LlmArgs
-from enc2dec.engine.transcribe import transcribe, transcribe_async
-from enc2dec.engine.whisper_tokens import id_only_tokenizer_for
+from enc2dec.engine.whisper.transcribe import transcribe, transcribe_async
+from enc2dec.engine.whisper.tokens import id_only_tokenizer_for
 
 out, model = os.environ["OUT"], os.environ.get("MODEL", "openai/whisper-large-v3")
 total_s, limit_s = float(os.environ.get("TOTAL_S", 600)), float(os.environ.get("RUN_LIMIT_S", 150))

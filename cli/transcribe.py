@@ -1,6 +1,6 @@
 """``enc2dec transcribe``: audio files of any length, format and rate to text and subtitles.
 
-A thin command: options in, ``enc2dec.engine.transcribe.transcribe`` does the work, files
+A thin command: options in, ``enc2dec.engine.whisper.transcribe.transcribe`` does the work, files
 and a summary out. Exit codes: 0 every file transcribed, 1 some file failed (each gets its
 own error line; the rest still finish), 2 bad usage or input (unknown option value, a path
 that does not exist, a model that cannot be loaded).
@@ -92,7 +92,7 @@ def transcribe(
 
 
 def _formats(text: str, output_dir: str | None) -> list[str]:
-    from enc2dec.engine.subtitles import FORMATS
+    from enc2dec.engine.whisper.subtitles import FORMATS
 
     names = list(FORMATS) if text.strip() == "all" else [f.strip() for f in text.split(",") if f.strip()]
     bad = [f for f in names if f not in FORMATS]
@@ -105,8 +105,8 @@ def _formats(text: str, output_dir: str | None) -> list[str]:
 
 
 def _check_options(o: dict) -> tuple[list[str], list[str]]:
-    from enc2dec.engine.audio import expand_inputs
-    from enc2dec.engine.transcribe import STRATEGIES, TASKS
+    from enc2dec.engine.whisper.audio import expand_inputs
+    from enc2dec.engine.whisper.transcribe import STRATEGIES, TASKS
 
     if o["beam_size"] < 1:
         raise _UsageError(f"--beam-size must be >= 1, got {o['beam_size']}")
@@ -125,7 +125,7 @@ def _check_options(o: dict) -> tuple[list[str], list[str]]:
 
 def _llm_args(o: dict):
     from enc2dec.engine import LlmArgs
-    from enc2dec.engine.whisper_tokens import id_only_tokenizer_for
+    from enc2dec.engine.whisper.tokens import id_only_tokenizer_for
 
     overrides = {k: o[k] for k in ("load_format", "dtype", "device") if o[k] is not None}
     if o["tp_size"] is not None:
@@ -150,9 +150,9 @@ def _llm_args(o: dict):
 
 def _run(o: dict) -> int:
     from enc2dec.engine import LLM
-    from enc2dec.engine.subtitles import TIMED_FORMATS, output_stems, render, write_outputs
-    from enc2dec.engine.transcribe import transcribe as run_transcribe
-    from enc2dec.engine.whisper_tokens import engine_whisper_info
+    from enc2dec.engine.whisper.subtitles import TIMED_FORMATS, output_stems, render, write_outputs
+    from enc2dec.engine.whisper.transcribe import transcribe as run_transcribe
+    from enc2dec.engine.whisper.tokens import engine_whisper_info
 
     from .transcribe_progress import make_progress
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import time
 
-from enc2dec.engine.transcribe import TranscribeProgress
+from enc2dec.engine.whisper.results import TranscribeProgress
 
 
 class QuietProgress(TranscribeProgress):
@@ -51,7 +51,7 @@ class RichProgress(TranscribeProgress):
         self._bar.update(self._task, advance=audio_s, speed=f"{done / elapsed:.1f}x real time" if elapsed else "")
 
     def file_done(self, transcript) -> None:
-        from enc2dec.engine.whisper_tokens import language_name
+        from enc2dec.engine.whisper.tokens import language_name
 
         self._done += 1
         if self._task is not None:

@@ -2,15 +2,15 @@
 
     from enc2dec.engine import LLM, SamplingParams, KvCacheConfig
 """
-from .config import CudaGraphConfig, EncodeCudaGraphConfig, KvCacheConfig, LlmArgs, SchedulerConfig
-from .outputs import CompletionOutput, RequestMetrics, RequestOutput
-from .sampling_params import SamplingParams
+from enc2dec.engine.config import CudaGraphConfig, EncodeCudaGraphConfig, KvCacheConfig, LlmArgs, SchedulerConfig
+from enc2dec.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from enc2dec.engine.sampling_params import SamplingParams
 
 
 def __getattr__(name):
     # LLM pulls in torch and transformers; keep `import enc2dec.engine` light for the CLI's --help.
     if name in ("LLM", "RequestHandle"):
-        from . import llm
+        from enc2dec.engine import llm
 
         return getattr(llm, name)
     raise AttributeError(f"module 'enc2dec.engine' has no attribute {name!r}")

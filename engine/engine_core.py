@@ -15,19 +15,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .batch import SchedulerOutput
-from .beam_search import BeamState, Hypothesis
-from .config import LlmArgs
-from .detokenizer import IncrementalDetokenizer
-from .distributed import TensorParallelError
-from .input_processor import InputProcessor, ProcessedInput
-from .model_runner import ModelRunner
-from .model_source import resolve_model
-from .outputs import CompletionOutput, RequestMetrics, RequestOutput
-from .request import Request, RequestStatus, Sequence
-from .sampler import SeqSamplingState
-from .sampling_params import SamplingParams
-from .scheduler import Scheduler, SchedulerLimits
+from enc2dec.engine.core.batch import SchedulerOutput
+from enc2dec.engine.core.beam_search import BeamState, Hypothesis
+from enc2dec.engine.config import LlmArgs
+from enc2dec.engine.inputs.detokenizer import IncrementalDetokenizer
+from enc2dec.engine.parallel.distributed import TensorParallelError
+from enc2dec.engine.inputs.processor import InputProcessor, ProcessedInput
+from enc2dec.engine.runner.model_runner import ModelRunner
+from enc2dec.engine.inputs.model_source import resolve_model
+from enc2dec.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from enc2dec.engine.core.request import Request, RequestStatus, Sequence
+from enc2dec.engine.runner.sampler import SeqSamplingState
+from enc2dec.engine.sampling_params import SamplingParams
+from enc2dec.engine.core.scheduler import Scheduler, SchedulerLimits
 
 logger = logging.getLogger("enc2dec")
 
@@ -124,7 +124,7 @@ class EngineCore:
         torch.manual_seed(args.seed)
         t0 = time.perf_counter()
         if args.tensor_parallel_size > 1:
-            from .tensor_parallel import start_tensor_parallel
+            from enc2dec.engine.parallel.tensor_parallel import start_tensor_parallel
 
             self.runner = start_tensor_parallel(args, src, self.device, self.dtype, attn, max_input_len)
         else:

@@ -12,10 +12,10 @@ import threading
 import time
 from typing import Any, Iterable
 
-from .config import LlmArgs
-from .engine_core import EngineCore
-from .outputs import RequestOutput
-from .sampling_params import SamplingParams
+from enc2dec.engine.config import LlmArgs
+from enc2dec.engine.engine_core import EngineCore
+from enc2dec.engine.outputs import RequestOutput
+from enc2dec.engine.sampling_params import SamplingParams
 
 
 class RequestHandle:

@@ -3,7 +3,7 @@
 A row's audio is a file path (relative to the manifest's folder), a Hugging Face ``Audio``
 value (``{"array", "sampling_rate"}`` decoded, or ``{"path", "bytes"}`` undecoded) or a
 decoder object with ``get_all_samples()``. Files are read and every clip is resampled by
-the project's audio code (``enc2dec.engine.audio``: soundfile and soxr, the same as
+the project's audio code (``enc2dec.engine.whisper.audio``: soundfile and soxr, the same as
 ``transcribe``), so eval and transcribe hear the same input.
 """
 from __future__ import annotations
@@ -42,11 +42,11 @@ def _decode(value, base_dir: str) -> tuple[np.ndarray, int]:
         path = value if os.path.isabs(value) else os.path.join(base_dir, value)
         if not os.path.isfile(path):
             raise AudioError(f"no such file: {path}")
-        from enc2dec.engine.audio import load_audio
+        from enc2dec.engine.whisper.audio import load_audio
 
         try:
             return load_audio(path, SAMPLE_RATE), SAMPLE_RATE
-        except ValueError as e:      # enc2dec.engine.audio.AudioError
+        except ValueError as e:      # enc2dec.engine.whisper.audio.AudioError
             raise AudioError(str(e)) from None
     if isinstance(value, dict):
         if value.get("array") is not None:
@@ -65,11 +65,11 @@ def _decode(value, base_dir: str) -> tuple[np.ndarray, int]:
 
 
 def resample(wave: np.ndarray, rate: int) -> np.ndarray:
-    from enc2dec.engine.audio import resample as engine_resample
+    from enc2dec.engine.whisper.audio import resample as engine_resample
 
     try:
         return engine_resample(wave, rate, SAMPLE_RATE)
-    except ValueError as e:          # no soxr: enc2dec.engine.audio.AudioError names the extra
+    except ValueError as e:          # no soxr: enc2dec.engine.whisper.audio.AudioError names the extra
         raise AudioError(str(e)) from None
 
 

@@ -235,7 +235,7 @@ def _engine_side(opts: EvalOptions, args, data: LoadedData, bad: list[BadRow], p
 def _reference_side(opts: EvalOptions, args, plan: Plan, rows: list[RowOutput], progress) -> float:
     """transformers on the same inputs: one timed batched pass, then every row that differs
     from the engine's output and ran in a batch is run again alone (``rechecked``)."""
-    from enc2dec.engine.model_source import resolve_model
+    from enc2dec.engine.inputs.model_source import resolve_model
 
     from .hf_reference import HfReference
 

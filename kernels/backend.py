@@ -1,4 +1,4 @@
-"""The ``triton`` attention backend: the four functions of ``engine/attention.py``'s
+"""The ``triton`` attention backend: the four functions of ``engine/models/attention.py``'s
 ``TorchAttentionBackend`` on the GPU path.
 
 - ``encoder_attention``: one fused ``scaled_dot_product_attention`` over the padded

@@ -7,7 +7,7 @@ This kernel gives each program ``BLOCK_N`` output features and streams their wei
 fp32 (a broadcast multiply-reduce, no tensor cores: the work is memory-bound). Many small
 programs (N / BLOCK_N of them) keep every SM reading.
 
-Used from outside the models (``engine/fast_linear.py`` swaps plain ``nn.Linear`` forwards
+Used from outside the models (``engine/runner/fast_linear.py`` swaps plain ``nn.Linear`` forwards
 on the GPU); larger M goes to ``F.linear``.
 
 Fusions for a decode step's one-row calls, each a launch saved without changing what is

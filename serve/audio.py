@@ -10,7 +10,7 @@ Two paths, both through the engine's async API:
   engine's default prefix is): one engine request that honours temperature, max_tokens,
   ignore_eos and a verbatim decoder prefix, and streams token by token;
 - long-form: anything else (longer audio, segments with timestamps, language
-  detection) goes through ``enc2dec.engine.transcribe`` as ``enc2dec transcribe`` does:
+  detection) goes through ``enc2dec.engine.whisper.transcribe`` as ``enc2dec transcribe`` does:
   greedy, 30 s windows, timestamp rules. Its ``sequential`` strategy is the default here:
   the most accurate, and a server gets its batching from concurrent requests anyway.
 """
@@ -66,7 +66,7 @@ def register(app, front, config) -> None:
 
 
 async def _handle(front, config, form, request, language: str | None, task: str):
-    from enc2dec.engine.whisper_tokens import engine_whisper_info
+    from enc2dec.engine.whisper.tokens import engine_whisper_info
 
     check_model(config, form.model)
     if form.stream and form.response_format not in ("json", "text"):
@@ -158,9 +158,9 @@ async def _events(front, batch, duration_s: float):
     yield SSE_DONE
 
 
-# ---- long-form: enc2dec.engine.transcribe ---------------------------------------------------
+# ---- long-form: enc2dec.engine.whisper.transcribe ---------------------------------------------------
 async def _long_form(front, config, request, form, wave, rate, lang, task, timed, duration_s):
-    from enc2dec.engine.transcribe import transcribe_async
+    from enc2dec.engine.whisper.transcribe import transcribe_async
 
     num_windows = max(1, math.ceil(duration_s / WINDOW_S))     # about: for the queue bound and the batch
     front.check_accepting(num_windows)
@@ -194,9 +194,9 @@ async def _long_form(front, config, request, form, wave, rate, lang, task, timed
 def _respond(form, task, lang, text, segments, num_tokens, duration_s, tokenizer):
     from types import SimpleNamespace
 
-    from enc2dec.engine.subtitles import to_srt, to_vtt
-    from enc2dec.engine.transcribe import Segment
-    from enc2dec.engine.whisper_tokens import language_name
+    from enc2dec.engine.whisper.subtitles import to_srt, to_vtt
+    from enc2dec.engine.whisper.transcribe import Segment
+    from enc2dec.engine.whisper.tokens import language_name
 
     fmt = form.response_format
     if fmt == "json":

@@ -1,7 +1,7 @@
 """Audio uploads in: bytes -> mono float32 at the checkpoint's rate, or a 400.
 
 Decoding is libsndfile's (WAV, FLAC, OGG/Opus, MP3); channel mixing and resampling are the
-engine's (``enc2dec.engine.audio``, soxr), the same as ``enc2dec transcribe`` uses.
+engine's (``enc2dec.engine.whisper.audio``, soxr), the same as ``enc2dec transcribe`` uses.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from .errors import bad_request
 
 def decode_upload(data: bytes, filename: str | None, sample_rate: int) -> np.ndarray:
     """[num_samples] float32 at ``sample_rate``."""
-    from enc2dec.engine.audio import AudioError, resample, to_mono
+    from enc2dec.engine.whisper.audio import AudioError, resample, to_mono
 
     name = filename or "the upload"
     if not data:

@@ -23,7 +23,7 @@ class ServeConfig:
     max_upload_bytes: int = 25 << 20        # any request body (OpenAI's audio file limit is 25 MB)
     max_prompt_tokens: int | None = None    # tighter than the engine's max_input_len, if set
     max_audio_s: float = 3600.0             # longer uploads are refused (long-form decodes 30 s windows)
-    long_form_strategy: str = "sequential"  # audio over 30 s / timestamps: enc2dec.engine.transcribe's strategy
+    long_form_strategy: str = "sequential"  # audio over 30 s / timestamps: enc2dec.engine.whisper.transcribe's strategy
     retry_after_s: int = 1                  # Retry-After on 503s
     drain_timeout_s: float = 600.0          # SIGTERM: longest wait for in-flight requests
     log_level: str = "info"

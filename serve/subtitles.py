@@ -1,6 +1,6 @@
-"""Transcript segments as OpenAI's verbose_json segments (SRT/WebVTT: enc2dec.engine.subtitles).
+"""Transcript segments as OpenAI's verbose_json segments (SRT/WebVTT: enc2dec.engine.whisper.subtitles).
 
-Segments are ``(start_s, end_s, text)`` triples (``enc2dec.engine.transcribe.Segment``).
+Segments are ``(start_s, end_s, text)`` triples (``enc2dec.engine.whisper.transcribe.Segment``).
 """
 from __future__ import annotations
 

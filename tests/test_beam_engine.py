@@ -6,7 +6,7 @@ import random
 import pytest
 
 from enc2dec.engine import LLM, KvCacheConfig, LlmArgs, SamplingParams
-from enc2dec.engine.block_manager import blocks_needed
+from enc2dec.engine.core.block_manager import blocks_needed
 from enc2dec.engine.engine_core import EngineCore
 
 TPB = 4
@@ -142,8 +142,12 @@ def test_preempted_beam_search_resumes_with_the_same_hypotheses(bart):
     got = _run(tight, subs)
     assert tight.scheduler.num_preemptions > 0
     for rid, out in got.items():
-        assert [(o.token_ids, o.cumulative_logprob) for o in out.outputs] == \
-            [(o.token_ids, o.cumulative_logprob) for o in roomy[rid].outputs]
+        ref = roomy[rid].outputs
+        assert [o.token_ids for o in out.outputs] == [o.token_ids for o in ref]
+        # Recomputed after preemption in a smaller batch, the float32 scores may differ in the
+        # last bit (the CPU GEMM picks its kernel by batch shape); the ranking may not.
+        assert [o.cumulative_logprob for o in out.outputs] == \
+            pytest.approx([o.cumulative_logprob for o in ref], rel=1e-6, abs=0)
     assert tight.scheduler.self_pool.num_used_blocks == 0 and tight.scheduler.cross_pool.num_used_blocks == 0
 
 

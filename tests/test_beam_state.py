@@ -1,9 +1,9 @@
 """BeamState's ranking rules with hand-made candidates (pure Python, no model)."""
 import pytest
 
-from enc2dec.engine.batch import BeamCandidate
-from enc2dec.engine.beam_search import BeamState, normalized_score
-from enc2dec.engine.request import RequestStatus, Sequence
+from enc2dec.engine.core.batch import BeamCandidate
+from enc2dec.engine.core.beam_search import BeamState, normalized_score
+from enc2dec.engine.core.request import RequestStatus, Sequence
 
 EOS = 2
 

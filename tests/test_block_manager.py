@@ -3,8 +3,8 @@ import random
 
 import pytest
 
-from enc2dec.engine.block_manager import BlockAllocationError, BlockPool, blocks_needed
-from enc2dec.engine.kv_sizing import KvPoolPlan, kv_bytes_per_token, plan_kv_pools
+from enc2dec.engine.core.block_manager import BlockAllocationError, BlockPool, blocks_needed
+from enc2dec.engine.core.kv_sizing import KvPoolPlan, kv_bytes_per_token, plan_kv_pools
 
 GIB = 1 << 30
 

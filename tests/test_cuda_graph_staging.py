@@ -3,8 +3,8 @@ import random
 
 import numpy as np
 
-from enc2dec.engine.batch import ScheduledSeq
-from enc2dec.engine.cuda_graph import fill_staging
+from enc2dec.engine.core.batch import ScheduledSeq
+from enc2dec.engine.runner.cuda_graph import fill_staging
 
 B, TPB, SELF_W, CROSS_W = 8, 4, 6, 5
 

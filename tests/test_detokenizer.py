@@ -2,7 +2,7 @@
 import pytest
 from transformers import ByT5Tokenizer
 
-from enc2dec.engine.detokenizer import IncrementalDetokenizer
+from enc2dec.engine.inputs.detokenizer import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from enc2dec.engine import LLM, KvCacheConfig
-from enc2dec.engine.batch import ScheduledEncode
-from enc2dec.engine.block_manager import slot_ids
+from enc2dec.engine.core.batch import ScheduledEncode
+from enc2dec.engine.core.block_manager import slot_ids
 from enc2dec.engine.config import EncodeCudaGraphConfig
-from enc2dec.engine.cuda_graph import EncoderGraphRunner, encoder_buckets
+from enc2dec.engine.runner.cuda_graph import EncoderGraphRunner, encoder_buckets
 
 
 def test_default_buckets_are_powers_of_two_up_to_the_limits():

@@ -1,13 +1,13 @@
 """The fused decode GEMV end to end, on the CPU through Triton's interpreter (TRITON_INTERPRET=1,
 set by conftest): with every pre-norm deferred into the skinny GEMV that reads it
 (``kernels/skinny_gemm.Prologue``) and every MLP activation done in the GEMV before it
-(``engine/fast_linear.py``), one request decodes the same greedy tokens as the separate
+(``engine/runner/fast_linear.py``), one request decodes the same greedy tokens as the separate
 kernels, for every family, and the fusions really run."""
 import numpy as np
 import pytest
 
 from enc2dec.engine import LLM, KvCacheConfig, SamplingParams
-from enc2dec.engine import fast_linear
+from enc2dec.engine.runner import fast_linear
 from enc2dec.engine.models import layers
 from enc2dec.kernels.skinny_gemm import Prologue
 

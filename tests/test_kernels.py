@@ -17,7 +17,7 @@ if importlib.util.find_spec("triton") is None:  # find, not import: TRITON_INTER
     pytest.skip("triton is not installed", allow_module_level=True)
 
 from enc2dec import kernels
-from enc2dec.engine.attention import (
+from enc2dec.engine.models.attention import (
     DecoderMetadata,
     EncoderMetadata,
     TorchAttentionBackend,
@@ -134,7 +134,7 @@ def test_paged_attention_half_precision(dtype):
 
 
 def test_reference_matches_torch_backend():
-    """The vectorised reference agrees with engine/attention.py's per-sequence loop."""
+    """The vectorised reference agrees with engine/models/attention.py's per-sequence loop."""
     case = make_paged_case([9, 40, 17], [1, 3, 2], 2, 64, seed=5)
     meta = decoder_meta(case, [1, 3, 2], [9, 40, 17])
     for causal, bias in ((True, case["bias"]), (False, None)):
@@ -384,9 +384,9 @@ def test_skinny_linear_keeps_leading_dims_and_hands_wide_inputs_to_the_library()
 def test_use_skinny_linear_rebinds_plain_linears_only(monkeypatch):
     from torch import nn
 
-    from enc2dec.engine import fast_linear
+    from enc2dec.engine.runner import fast_linear
 
-    from enc2dec.engine.fast_linear import use_skinny_linear
+    from enc2dec.engine.runner.fast_linear import use_skinny_linear
     from enc2dec.engine.models.layers import MergedLinear, RowParallelLinear
 
     class OtherLinear(nn.Linear):           # stands for a subclass whose forward does more than a matmul

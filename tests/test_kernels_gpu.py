@@ -10,7 +10,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 if importlib.util.find_spec("triton") is None:  # find, not import: TRITON_INTERPRET is read at import
     pytest.skip("triton is not installed", allow_module_level=True)
 
-from enc2dec.engine.attention import TorchAttentionBackend
+from enc2dec.engine.models.attention import TorchAttentionBackend
 from enc2dec.kernels import reference as ref
 from enc2dec.kernels.activations import gated_gelu, gelu
 from enc2dec.kernels.backend import TritonAttentionBackend

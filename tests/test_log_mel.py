@@ -3,7 +3,7 @@ import numpy as np
 import torch
 from transformers import WhisperFeatureExtractor
 
-from enc2dec.engine.log_mel import LogMel
+from enc2dec.engine.whisper.log_mel import LogMel
 
 
 def test_batched_log_mel_matches_the_numpy_extractor():

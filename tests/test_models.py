@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from enc2dec.engine.attention import DecoderMetadata, EncoderMetadata, KVCache, TorchAttentionBackend
-from enc2dec.engine.known_configs import get_known_config
-from enc2dec.engine.loader import find_weight_files, load_model
+from enc2dec.engine.models.attention import DecoderMetadata, EncoderMetadata, KVCache, TorchAttentionBackend
+from enc2dec.engine.inputs.known_configs import get_known_config
+from enc2dec.engine.runner.loader import find_weight_files, load_model
 from enc2dec.engine.models import ARCHITECTURES, get_model_class
 
 TOKENS_PER_BLOCK = 4

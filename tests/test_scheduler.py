@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from enc2dec.engine.batch import ModelRunnerOutput, SampledToken, SchedulerOutput
-from enc2dec.engine.request import Request, RequestStatus, Sequence
-from enc2dec.engine.scheduler import Scheduler, SchedulerLimits
+from enc2dec.engine.core.batch import ModelRunnerOutput, SampledToken, SchedulerOutput
+from enc2dec.engine.core.request import Request, RequestStatus, Sequence
+from enc2dec.engine.core.scheduler import Scheduler, SchedulerLimits
 
 EOS = 42
 BIG = 100_000
@@ -149,8 +149,8 @@ def all_requests(arrivals):
 # ------------------------------------------------------------------------- (a) no torch
 
 def test_policy_modules_do_not_import_torch():
-    code = ("import sys, enc2dec.engine.scheduler, enc2dec.engine.block_manager, "
-            "enc2dec.engine.kv_sizing; assert 'torch' not in sys.modules")
+    code = ("import sys, enc2dec.engine.core.scheduler, enc2dec.engine.core.block_manager, "
+            "enc2dec.engine.core.kv_sizing; assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

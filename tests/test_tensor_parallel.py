@@ -59,7 +59,7 @@ def _tp_worker_children() -> list[int]:
                 cmdline = f.read()
         except OSError:
             continue
-        if int(fields[1]) == os.getpid() and fields[0] != "Z" and b"enc2dec.engine.tp_worker" in cmdline:
+        if int(fields[1]) == os.getpid() and fields[0] != "Z" and b"enc2dec.engine.parallel.worker" in cmdline:
             found.append(int(entry))
     return found
 

@@ -10,7 +10,7 @@ import pytest
 import soundfile as sf
 from enc2dec.cli.main import app
 from enc2dec.engine import LLM, KvCacheConfig, SamplingParams
-from enc2dec.engine.transcribe import transcribe
+from enc2dec.engine.whisper.transcribe import transcribe
 from hf_reference import hf_whisper as reference_whisper
 from transformers import (
     AutoTokenizer,

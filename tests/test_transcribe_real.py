@@ -17,9 +17,9 @@ import pytest
 import soundfile as sf
 from enc2dec.cli.main import app
 from enc2dec.engine import LLM, KvCacheConfig, SamplingParams
-from enc2dec.engine.transcribe import transcribe
-from enc2dec.engine.whisper_rules import TimestampRules
-from enc2dec.engine.whisper_tokens import engine_whisper_info
+from enc2dec.engine.whisper.transcribe import transcribe
+from enc2dec.engine.whisper.rules import TimestampRules
+from enc2dec.engine.whisper.tokens import engine_whisper_info
 from hf_reference import hf_whisper
 from typer.testing import CliRunner
 

@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 import soundfile as sf
 import torch
-from enc2dec.engine.audio import AudioError, expand_inputs, load_audio, probe_duration_s
-from enc2dec.engine.longform import (Merged, Piece, chunk_windows, closed_pieces, merge_chunk, merged_pieces,
+from enc2dec.engine.whisper.audio import AudioError, expand_inputs, load_audio, probe_duration_s
+from enc2dec.engine.whisper.longform import (Merged, Piece, chunk_windows, closed_pieces, merge_chunk, merged_pieces,
                                      monotonic, parse_window)
 from enc2dec.engine.sampling_params import SamplingParams
-from enc2dec.engine.subtitles import clock, output_stems, render
-from enc2dec.engine.transcribe import Segment, Transcript
-from enc2dec.engine.whisper_rules import DetectLanguage, SuppressAtBegin, TimestampRules
-from enc2dec.engine.whisper_tokens import IdOnlyTokenizer, WhisperTokens
+from enc2dec.engine.whisper.subtitles import clock, output_stems, render
+from enc2dec.engine.whisper.transcribe import Segment, Transcript
+from enc2dec.engine.whisper.rules import DetectLanguage, SuppressAtBegin, TimestampRules
+from enc2dec.engine.whisper.tokens import IdOnlyTokenizer, WhisperTokens
 
 EOT, TS = 100, 200            # a toy vocabulary: text < 100, timestamps from 200 (<|0.00|>)
 

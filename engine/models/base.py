@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from enc2dec.engine.attention import EncoderMetadata, KVCache
-from enc2dec.engine.distributed import SINGLE
+from enc2dec.engine.models.attention import EncoderMetadata, KVCache
+from enc2dec.engine.parallel.distributed import SINGLE
 from enc2dec.engine.models.layers import MergedLinear
 
 logger = logging.getLogger("enc2dec")

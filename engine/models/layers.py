@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from enc2dec.engine.attention import DecoderMetadata, EncoderMetadata, LayerKV
-from enc2dec.engine.distributed import SINGLE, TensorParallelGroup
+from enc2dec.engine.models.attention import DecoderMetadata, EncoderMetadata, LayerKV
+from enc2dec.engine.parallel.distributed import SINGLE, TensorParallelGroup
 from enc2dec.kernels.activations import gated_gelu
 from enc2dec.kernels.norms import fused_add_layer_norm, fused_add_rms_norm
 from enc2dec.kernels.skinny_gemm import Prologue, skinny_linear
@@ -64,7 +64,7 @@ def clamp_fp16(h: torch.Tensor) -> torch.Tensor:
 
 class _GemvFusable:
     """A norm whose output only ever feeds one linear layer (or an MLP's first one).
-    ``engine/fast_linear.py`` sets ``into_gemv`` where that layer runs the skinny GEMV: a
+    ``engine/runner/fast_linear.py`` sets ``into_gemv`` where that layer runs the skinny GEMV: a
     one-row call then returns a ``Prologue`` the GEMV computes as it loads its input (one
     launch fewer per norm), and the new residual, which that GEMV writes. Only the models mark such norms
     (``gemv_fed_norms``): a norm whose output is also the residual (post-norm BART) or goes
@@ -164,7 +164,7 @@ class RowParallelLinear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallelGroup = SINGLE):
         super().__init__(tp.split(in_features, "projection size"), out_features, bias=bias)
         self.tp = tp
-        self.matmul = F.linear          # the local product; engine/fast_linear.py may swap it
+        self.matmul = F.linear          # the local product; engine/runner/fast_linear.py may swap it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -183,7 +183,7 @@ class DenseMLP(nn.Module):
         self.fc2 = RowParallelLinear(d_ff, d_model, bias, tp)
         self.act = get_activation(act, option)
 
-    act_into_gemv = False       # set by engine/fast_linear.py where fc1 runs the skinny GEMV
+    act_into_gemv = False       # set by engine/runner/fast_linear.py where fc1 runs the skinny GEMV
 
     def forward(self, x: torch.Tensor | Prologue) -> torch.Tensor:
         if self.act_into_gemv and _one_row(x) and self.act in _GEMV_ACTS:     # act in fc1's kernel
@@ -201,7 +201,7 @@ class GatedMLP(nn.Module):
         self.fc2 = RowParallelLinear(d_ff, d_model, False, tp)
         self.act = get_activation(act, option)
 
-    act_into_gemv = False       # set by engine/fast_linear.py where gate_up runs the skinny GEMV
+    act_into_gemv = False       # set by engine/runner/fast_linear.py where gate_up runs the skinny GEMV
 
     def forward(self, x: torch.Tensor | Prologue) -> torch.Tensor:
         if self.act_into_gemv and _one_row(x) and self.act in _GEMV_ACTS:     # act(gate) * up in one kernel
@@ -236,7 +236,7 @@ class SelfAttention(nn.Module):
         o = self.backend.encoder_attention(q, k, v, meta, self.scale, bias_table)  # [T, H, D]
         return self.out_proj(o.reshape(x.shape[0], -1))
 
-    store_in_gemv = False       # set by engine/fast_linear.py where qkv runs the skinny GEMV
+    store_in_gemv = False       # set by engine/runner/fast_linear.py where qkv runs the skinny GEMV
 
     def decode(self, x: torch.Tensor | Prologue, meta: DecoderMetadata, kv: LayerKV,
                bias_table: torch.Tensor | None = None):

@@ -14,8 +14,8 @@ import math
 import torch
 from torch import nn
 
-from enc2dec.engine.attention import DecoderMetadata, EncoderMetadata, KVCache, LayerKV
-from enc2dec.engine.distributed import SINGLE, TensorParallelGroup
+from enc2dec.engine.models.attention import DecoderMetadata, EncoderMetadata, KVCache, LayerKV
+from enc2dec.engine.parallel.distributed import SINGLE, TensorParallelGroup
 from enc2dec.engine.models.base import EncoderDecoderLM
 from enc2dec.engine.models.layers import CrossAttention, DenseMLP, GatedMLP, RMSNorm, SelfAttention
 

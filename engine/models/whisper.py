@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from enc2dec.engine.attention import DecoderMetadata, EncoderMetadata, KVCache
-from enc2dec.engine.distributed import SINGLE, TensorParallelGroup
+from enc2dec.engine.models.attention import DecoderMetadata, EncoderMetadata, KVCache
+from enc2dec.engine.parallel.distributed import SINGLE, TensorParallelGroup
 from enc2dec.engine.models.bart import BART_STYLE_RULES, BartDecoderLayer, BartEncoderLayer, run_layers
 from enc2dec.engine.models.base import EncoderDecoderLM
 from enc2dec.engine.models.layers import LayerNorm

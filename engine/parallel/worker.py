@@ -1,4 +1,4 @@
-"""A tensor-parallel worker process (ranks 1..N-1): ``python -m enc2dec.engine.tp_worker``.
+"""A tensor-parallel worker process (ranks 1..N-1): ``python -m enc2dec.engine.parallel.worker``.
 
 Started by ``tensor_parallel.WorkerPool`` with its rank and the file descriptor of its
 socket to the driver in the environment. It builds its shard of the model and then runs
@@ -22,9 +22,9 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from .distributed import TensorParallelGroup, create_store, init_group, rank_device
-from .model_runner import ModelRunner
-from .sampler import DeviceSample
+from enc2dec.engine.parallel.distributed import TensorParallelGroup, create_store, init_group, rank_device
+from enc2dec.engine.runner.model_runner import ModelRunner
+from enc2dec.engine.runner.sampler import DeviceSample
 
 
 class WorkerRunner(ModelRunner):

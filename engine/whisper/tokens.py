@@ -166,7 +166,7 @@ def id_only_tokenizer_for(model: str, load_format: str) -> IdOnlyTokenizer | Non
     no tokenizer); None where the checkpoint brings its own."""
     import os
 
-    from .known_configs import KNOWN_MODELS, get_known_config, get_known_generation_config
+    from enc2dec.engine.inputs.known_configs import KNOWN_MODELS, get_known_config, get_known_generation_config
 
     if load_format != "dummy" or os.path.isdir(model):
         return None

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from enc2dec.engine.block_manager import blocks_needed
-from enc2dec.engine.request import Request, Sequence
+from enc2dec.engine.core.block_manager import blocks_needed
+from enc2dec.engine.core.request import Request, Sequence
 
 
 @dataclass(frozen=True)

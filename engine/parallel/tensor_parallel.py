@@ -1,7 +1,7 @@
 """Tensor parallelism, driver side: starts the worker processes and runs rank 0.
 
     driver process (rank 0)                         worker process r (1..N-1)
-    LLM -> EngineCore -> Scheduler                  python -m enc2dec.engine.tp_worker
+    LLM -> EngineCore -> Scheduler                  python -m enc2dec.engine.parallel.worker
     TensorParallelRunner.launch(so):
         send so (pickled, sampling state stripped) -->  WorkerRunner.launch(so)
         ModelRunner.launch(so)   <== all-reduces ==>    (same kernels, its own heads)
@@ -28,12 +28,12 @@ import threading
 
 import torch
 
-from .batch import SchedulerOutput
-from .distributed import (DEFAULT_TIMEOUT_S, TensorParallelError, TensorParallelGroup, WorkerDiedError,
+from enc2dec.engine.core.batch import SchedulerOutput
+from enc2dec.engine.parallel.distributed import (DEFAULT_TIMEOUT_S, TensorParallelError, TensorParallelGroup, WorkerDiedError,
                           check_tensor_parallel, create_store, init_group, rank_device, set_nccl_env)
-from .model_runner import ModelRunner
-from .sampler import DeviceSample, Sampler
-from .tp_pool import DEATH_GRACE_S, WorkerPool, WorkerSpec
+from enc2dec.engine.runner.model_runner import ModelRunner
+from enc2dec.engine.runner.sampler import DeviceSample, Sampler
+from enc2dec.engine.parallel.pool import DEATH_GRACE_S, WorkerPool, WorkerSpec
 
 logger = logging.getLogger("enc2dec")
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .host_to_device import to_device
-from .sampling_params import SamplingParams
+from enc2dec.engine.runner.host_to_device import to_device
+from enc2dec.engine.sampling_params import SamplingParams
 
 
 @functools.cache

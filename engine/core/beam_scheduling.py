@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from collections import Counter
 
-from enc2dec.engine.batch import BeamCandidate, ModelRunnerOutput, SchedulerOutput
-from enc2dec.engine.beam_search import fork_sequence
-from enc2dec.engine.request import Request, RequestStatus, Sequence
-from enc2dec.engine.stop_rules import check_stop
+from enc2dec.engine.core.batch import BeamCandidate, ModelRunnerOutput, SchedulerOutput
+from enc2dec.engine.core.beam_search import fork_sequence
+from enc2dec.engine.core.request import Request, RequestStatus, Sequence
+from enc2dec.engine.core.stop_rules import check_stop
 
 
 class BeamScheduling:

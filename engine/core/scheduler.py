@@ -32,12 +32,12 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from enc2dec.engine.admission import SchedulerLimits, admission_error  # noqa: F401 (re-export)
-from enc2dec.engine.batch import ModelRunnerOutput, SampledToken, ScheduledEncode, ScheduledSeq, SchedulerOutput
-from enc2dec.engine.beam_scheduling import BeamScheduling
-from enc2dec.engine.block_manager import BlockPool, blocks_needed
-from enc2dec.engine.request import PLACEHOLDER_TOKEN_ID, Request, RequestStatus, Sequence
-from enc2dec.engine.stop_rules import check_stop
+from enc2dec.engine.core.admission import SchedulerLimits, admission_error  # noqa: F401 (re-export)
+from enc2dec.engine.core.batch import ModelRunnerOutput, SampledToken, ScheduledEncode, ScheduledSeq, SchedulerOutput
+from enc2dec.engine.core.beam_scheduling import BeamScheduling
+from enc2dec.engine.core.block_manager import BlockPool, blocks_needed
+from enc2dec.engine.core.request import PLACEHOLDER_TOKEN_ID, Request, RequestStatus, Sequence
+from enc2dec.engine.core.stop_rules import check_stop
 
 
 def _schedulable(req: Request) -> list[Sequence]:

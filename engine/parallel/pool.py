@@ -1,6 +1,6 @@
 """Tensor-parallel worker processes as seen from the driver: start, watch, stop.
 
-Each worker is a fresh interpreter (``sys.executable -m enc2dec.engine.tp_worker``, the
+Each worker is a fresh interpreter (``sys.executable -m enc2dec.engine.parallel.worker``, the
 spawn model: nothing is inherited but the environment and ``sys.path``), talking to the
 driver over one socket pair (pickled tuples, see ``tp_worker.py``). A watcher thread
 notices a worker's exit and aborts the group, so a collective stuck on a dead peer
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .distributed import DEFAULT_TIMEOUT_S, TensorParallelGroup, WorkerDiedError
+from enc2dec.engine.parallel.distributed import DEFAULT_TIMEOUT_S, TensorParallelGroup, WorkerDiedError
 
 START_TIMEOUT_S = DEFAULT_TIMEOUT_S       # a worker's imports, weight loading and graph capture
 STOP_TIMEOUT_S = 10.0
@@ -74,7 +74,7 @@ class WorkerPool:
     def start(self, spec: WorkerSpec) -> None:
         for rank in range(1, self.size):
             ours, theirs = socket.socketpair()
-            proc = subprocess.Popen([sys.executable, "-m", "enc2dec.engine.tp_worker"],
+            proc = subprocess.Popen([sys.executable, "-m", "enc2dec.engine.parallel.worker"],
                                     env=_worker_env(rank, self.size, theirs.fileno()), pass_fds=(theirs.fileno(),))
             theirs.close()
             self.procs[rank], self.conns[rank] = proc, Connection(ours.detach())

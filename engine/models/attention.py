@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .config import canonical_backend_name
+from enc2dec.engine.config import canonical_backend_name
 
 
 @dataclass

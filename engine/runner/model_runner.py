@@ -11,16 +11,16 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import DecoderMetadata, EncoderMetadata, KVCache, get_attention_backend
-from .batch import BeamCandidate, ModelRunnerOutput, SampledToken, ScheduledEncode, ScheduledSeq, SchedulerOutput
-from .block_manager import slot_ids
-from .distributed import SINGLE, TensorParallelGroup
-from .fast_linear import skinny_linear_enabled, use_skinny_linear
-from .host_to_device import to_device
-from .kv_sizing import kv_bytes_per_token, plan_kv_pools
-from .loader import load_model
-from .request import PLACEHOLDER_TOKEN_ID
-from .sampler import BeamGroup, DeviceSample, Sampler, SeqSamplingState
+from enc2dec.engine.models.attention import DecoderMetadata, EncoderMetadata, KVCache, get_attention_backend
+from enc2dec.engine.core.batch import BeamCandidate, ModelRunnerOutput, SampledToken, ScheduledEncode, ScheduledSeq, SchedulerOutput
+from enc2dec.engine.core.block_manager import slot_ids
+from enc2dec.engine.parallel.distributed import SINGLE, TensorParallelGroup
+from enc2dec.engine.runner.fast_linear import skinny_linear_enabled, use_skinny_linear
+from enc2dec.engine.runner.host_to_device import to_device
+from enc2dec.engine.core.kv_sizing import kv_bytes_per_token, plan_kv_pools
+from enc2dec.engine.runner.loader import load_model
+from enc2dec.engine.core.request import PLACEHOLDER_TOKEN_ID
+from enc2dec.engine.runner.sampler import BeamGroup, DeviceSample, Sampler, SeqSamplingState
 
 logger = logging.getLogger("enc2dec")
 
@@ -85,7 +85,7 @@ class ModelRunner:
         self.backend = get_attention_backend(attn_backend)
         self.log_mel = None
         if self.is_whisper and device.type == "cuda" and feature_extractor is not None:
-            from .log_mel import LogMel
+            from enc2dec.engine.whisper.log_mel import LogMel
 
             self.log_mel = LogMel(feature_extractor, device)
         self.model = load_model(model_path, hf_config, self.backend, dtype, device, args.load_format, tp)
@@ -115,7 +115,7 @@ class ModelRunner:
             logger.warning("CUDA graphs need the triton attention backend (attn_backend=%s); running eagerly",
                            attn_backend)
             return None
-        from .cuda_graph import DecodeGraphRunner
+        from enc2dec.engine.runner.cuda_graph import DecodeGraphRunner
 
         sizes = cfg.capture_sizes(self.args.max_batch_size)
         max_dec = self.args.max_seq_len or self.model.max_decoder_positions or 512
@@ -134,7 +134,7 @@ class ModelRunner:
             logger.info("no encoder CUDA graphs: they are captured only alongside decoder graphs "
                         "(cuda_graph_config, bf16/fp16, triton); encoder batches run eagerly")
             return None
-        from .cuda_graph import EncoderGraphRunner, encoder_buckets
+        from enc2dec.engine.runner.cuda_graph import EncoderGraphRunner, encoder_buckets
 
         max_len, max_tokens, max_batch = self._encoder_limits(max_input_len)
         buckets = encoder_buckets(cfg, max_batch, max_tokens, max_len, fixed_len=max_len if self.is_whisper else None)
@@ -152,7 +152,7 @@ class ModelRunner:
         """The largest encoder microbatch admission allows, on dummy inputs: ``(inputs, meta)``.
         Every index stays inside the model's tables (a BART position past
         ``max_position_embeddings`` is a device-side assert on the GPU, fatal to the process)."""
-        from .cuda_graph import uniform_encoder_batch
+        from enc2dec.engine.runner.cuda_graph import uniform_encoder_batch
 
         length, tokens, max_batch = self._encoder_limits(max_input_len)
         batch = max(1, min(max_batch, tokens // length))

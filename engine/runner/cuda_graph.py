@@ -25,9 +25,9 @@ import time
 import numpy as np
 import torch
 
-from .attention import DecoderMetadata, EncoderMetadata
-from .block_manager import slot_ids
-from .host_to_device import to_device
+from enc2dec.engine.models.attention import DecoderMetadata, EncoderMetadata
+from enc2dec.engine.core.block_manager import slot_ids
+from enc2dec.engine.runner.host_to_device import to_device
 
 logger = logging.getLogger("enc2dec")
 

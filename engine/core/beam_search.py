@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from enc2dec.engine.batch import BeamCandidate
-from enc2dec.engine.request import RequestStatus, Sequence
+from enc2dec.engine.core.batch import BeamCandidate
+from enc2dec.engine.core.request import RequestStatus, Sequence
 
 def normalized_score(cumulative_logprob: float, generated_len: int, length_penalty: float) -> float:
     """transformers' BeamHypotheses score: the log-probability sum over generated_len ** length_penalty."""

@@ -2,7 +2,7 @@
 ``enc2dec transcribe``.
 
     from enc2dec.engine import LLM, KvCacheConfig
-    from enc2dec.engine.transcribe import transcribe
+    from enc2dec.engine.whisper.transcribe import transcribe
 
     with LLM("openai/whisper-base", kv_cache_config=KvCacheConfig(cross_kv_cache_fraction=0.5)) as llm:
         for t in transcribe(llm, ["talk.mp3", "call.flac"], timestamps=True):
@@ -17,48 +17,21 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import numpy as np
 
-from .audio import AudioError, load_audio, probe_duration_s, resample, to_mono
-from .longform import (MIN_WINDOW_S, WINDOW_S, Merged, chunk_windows, closed_pieces, merge_chunk, merged_pieces,
-                       monotonic, parse_window)
-from .sampling_params import SamplingParams
-from .whisper_rules import DetectLanguage, SuppressAtBegin, TimestampRules
-from .whisper_tokens import engine_whisper_info
+from enc2dec.engine.whisper.audio import AudioError, load_audio, probe_duration_s, resample, to_mono
+from enc2dec.engine.whisper.longform import (MIN_WINDOW_S, WINDOW_S, Merged, chunk_windows, closed_pieces,
+                                             merge_chunk, merged_pieces, monotonic, parse_window)
+from enc2dec.engine.sampling_params import SamplingParams
+from enc2dec.engine.whisper.results import Segment, Transcript, TranscribeProgress
+from enc2dec.engine.whisper.rules import DetectLanguage, SuppressAtBegin, TimestampRules
+from enc2dec.engine.whisper.tokens import engine_whisper_info
 
 STRATEGIES = ("chunked", "sequential")
 TASKS = ("transcribe", "translate")
 MAX_WINDOW_TOKENS = 224          # per window, as the original Whisper: half the decoder context
 MAX_INITIAL_TIMESTAMP_INDEX = 50  # the first segment starts within 1.0 s of the window
-
-
-class Segment(NamedTuple):
-    start_s: float
-    end_s: float
-    text: str
-
-
-@dataclass
-class Transcript:
-    source: str
-    text: str = ""
-    segments: list[Segment] = field(default_factory=list)   # empty unless timestamps were asked
-    language: str | None = None
-    duration_s: float = 0.0
-    error: str | None = None
-    num_windows: int = 0                                      # engine requests made
-    num_tokens: int = 0                                       # tokens they generated
-
-
-class TranscribeProgress:
-    """Progress hooks (all optional); called from the event loop that runs ``transcribe``."""
-
-    def start(self, total_audio_s: float) -> None: ...
-    def advance(self, audio_s: float) -> None: ...
-    def file_done(self, transcript: Transcript) -> None: ...
 
 
 class _DecodeError(RuntimeError):

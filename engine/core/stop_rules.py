@@ -1,7 +1,7 @@
 """When a sequence stops: EOS, a stop token id, or its length budget. Pure Python."""
 from __future__ import annotations
 
-from enc2dec.engine.request import Request, RequestStatus, Sequence
+from enc2dec.engine.core.request import Request, RequestStatus, Sequence
 
 
 def check_stop(req: Request, seq: Sequence, token_id: int,

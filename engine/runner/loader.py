@@ -17,7 +17,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from enc2dec.engine.distributed import SINGLE, TensorParallelGroup
+from enc2dec.engine.parallel.distributed import SINGLE, TensorParallelGroup
 from enc2dec.engine.models import get_model_class
 from enc2dec.engine.models.layers import RMSNorm
 
@@ -54,7 +54,7 @@ def load_model(model_dir_or_config, hf_config=None, backend=None, dtype: torch.d
         from transformers import AutoConfig
         hf_config = AutoConfig.from_pretrained(model_dir)
     if backend is None:
-        from enc2dec.engine.attention import TorchAttentionBackend
+        from enc2dec.engine.models.attention import TorchAttentionBackend
         backend = TorchAttentionBackend()
 
     model_cls = get_model_class(hf_config)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from enc2dec.engine.block_manager import blocks_needed
+from enc2dec.engine.core.block_manager import blocks_needed
 
 _GIB = 1 << 30
 _MIB = 1 << 20

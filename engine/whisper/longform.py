@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .whisper_tokens import TIME_PRECISION_S
+from enc2dec.engine.whisper.tokens import TIME_PRECISION_S
 
 WINDOW_S = 30.0
 CHUNK_OVERLAP_S = 5.0

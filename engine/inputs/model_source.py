@@ -74,7 +74,7 @@ def _feature_extractor(path, hf_config):
 def resolve_model(model: str, tokenizer=None, load_format: str = "auto") -> ModelSource:
     from transformers import AutoConfig
 
-    from .known_configs import KNOWN_MODELS, get_known_config, get_known_generation_config
+    from enc2dec.engine.inputs.known_configs import KNOWN_MODELS, get_known_config, get_known_generation_config
 
     path, gen = None, None
     if os.path.isdir(model):

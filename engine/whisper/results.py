@@ -1,0 +1,32 @@
+"""What a transcription returns, and the progress hooks it calls: torch-free, so the
+CLI's progress bar and the subtitle writers import none of the engine."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+class Segment(NamedTuple):
+    start_s: float
+    end_s: float
+    text: str
+
+
+@dataclass
+class Transcript:
+    source: str
+    text: str = ""
+    segments: list[Segment] = field(default_factory=list)   # empty unless timestamps were asked
+    language: str | None = None
+    duration_s: float = 0.0
+    error: str | None = None
+    num_windows: int = 0                                      # engine requests made
+    num_tokens: int = 0                                       # tokens they generated
+
+
+class TranscribeProgress:
+    """Progress hooks (all optional); called from the event loop that runs ``transcribe``."""
+
+    def start(self, total_audio_s: float) -> None: ...
+    def advance(self, audio_s: float) -> None: ...
+    def file_done(self, transcript: Transcript) -> None: ...
