@@ -189,9 +189,9 @@ def launch_config(rows: int, n: int, k: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) for an ``[rows, k] x [n, k]^T`` product.
 
     Single rows: one warp per program streaming long K runs, narrower programs (more of
-    them) for narrow outputs. Chosen from bench/tune_skinny.py on an H200 (docs/benchmarks.md,
-    run H): per call, flan-t5-large's six shapes and LM head 35.8 us against 44.8 us with the
-    earlier (4 or 8, 512, 4 warps) and 41.8 us with cuBLAS."""
+    them) for narrow outputs: on an H200 this is the fastest configuration the tuning script
+    (bench/scripts/tune_skinny.py) found for flan-t5-large's six shapes and its LM head, and
+    faster than cuBLAS for them (figures in docs/benchmarks.md)."""
     if rows == 1:
         if n <= 1536:
             return (1 if k > 2048 else 2), 1024, 1

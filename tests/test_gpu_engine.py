@@ -40,9 +40,8 @@ def test_bfloat16_with_graphs_as_close_to_float32_as_transformers_bfloat16(famil
     choices in any implementation, and which ones flips with the batch shapes a run happens to
     use: ours (bf16, graphs) must agree with the float32 reference on the first 16 tokens, and
     on the first token, about as often as transformers' own bf16 does (up to 3 of 20 requests
-    fewer: of two H200 runs of one commit, one gave t5_relu 16 against transformers' 18, the
-    other passed a one-request slack). A broken bf16 path diverges from the first tokens on
-    most requests. The 95 % rule runs on real weights below."""
+    fewer, since which choices flip varies from run to run of one commit). A broken bf16 path
+    diverges from the first tokens on most requests. The 95 % rule runs on real weights below."""
     path = request.getfixturevalue(family)
     ref32 = _reference(path, torch.float32, family, 16)
     ref16 = _reference(path, torch.bfloat16, family, 16)

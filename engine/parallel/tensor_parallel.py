@@ -105,11 +105,9 @@ class TensorParallelRunner(ModelRunner):
         return _CheckedPendingStep(pending, self.pool)
 
     def shutdown(self) -> None:
-        """Graphs first, then the workers, then the communicator. NCCL's abort waits until every
-        CUDA graph that captured one of the communicator's kernels is destroyed; with the
-        decoder graphs still alive it never returned, and the process hung after its work
-        (two TP=2 bench runs on 2x H200). The close stays bounded in case another resource
-        holds it."""
+        """Graphs first, then the workers, then the communicator: NCCL's abort waits until every
+        CUDA graph that captured one of the communicator's kernels is destroyed, so with graphs
+        alive it never returns. The close stays bounded in case another resource holds it."""
         super().shutdown()
         self.pool.stop()
         closer = threading.Thread(target=self.tp.close, name="enc2dec-tp-close", daemon=True)
