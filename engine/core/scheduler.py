@@ -143,26 +143,34 @@ class Scheduler(BeamScheduling):
         i = 0
         while i < len(self.running):
             req = self.running[i]
-            if not self._grow_self_blocks(req, out):
+            seqs = _schedulable(req)
+            if not self._grow_self_blocks(req, seqs, out):
                 break   # req was the newest running request and preempted itself
-            self._emit_seqs(req, out, budget)
+            self._emit_seqs(req, seqs, out, budget)
             i += 1
         # Running sequences feed one token each, and admission kept their count within budget.
         assert budget.num_tokens <= self.limits.max_num_tokens, "was update() skipped?"
 
-    def _grow_self_blocks(self, req: Request, out: SchedulerOutput) -> bool:
-        """Cover every live sequence's tokens, preempting newer requests; False if req itself went."""
-        seqs = _schedulable(req)
-        num_missing = sum(self._num_missing_self_blocks(s) for s in seqs) + self._num_copy_on_write_blocks(seqs)
-        while not self.self_pool.can_allocate(num_missing):
+    def _grow_self_blocks(self, req: Request, seqs: list[Sequence], out: SchedulerOutput) -> bool:
+        """Cover the tokens of ``seqs`` (req's schedulable sequences), preempting newer requests;
+        False if req itself went."""
+        missing = [self._num_missing_self_blocks(s) for s in seqs]
+        # Only beams share blocks, so only they can need copies before writing.
+        num_copies = self._num_copy_on_write_blocks(seqs) if req.beam is not None else 0
+        num_needed = sum(missing) + num_copies
+        if not num_needed:
+            return True             # the common decode step: every sequence fits its blocks
+        while not self.self_pool.can_allocate(num_needed):
             victim = self.running[-1]
             self._preempt(victim)
             out.preempted_request_ids.append(victim.request_id)
             if victim is req:
                 return False
-        for seq in seqs:
-            self._copy_on_write(seq, out)
-            seq.block_ids.extend(self.self_pool.allocate(self._num_missing_self_blocks(seq)))
+        for seq, num_missing in zip(seqs, missing):
+            if num_copies:
+                self._copy_on_write(seq, out)
+            if num_missing:
+                seq.block_ids.extend(self.self_pool.allocate(num_missing))
         return True
 
     def _preempt(self, req: Request) -> None:
@@ -216,13 +224,14 @@ class Scheduler(BeamScheduling):
         budget.num_encodes += 1
         budget.num_encoder_tokens += req.encoder_len
         budget.num_tokens += req.encoder_len
-        self._emit_seqs(req, out, budget)
+        self._emit_seqs(req, _schedulable(req), out, budget)
 
-    def _emit_seqs(self, req: Request, out: SchedulerOutput, budget: _StepBudget) -> None:
-        for seq in _schedulable(req):
+    def _emit_seqs(self, req: Request, seqs: list[Sequence], out: SchedulerOutput, budget: _StepBudget) -> None:
+        one_prompt_token = self.limits.feed_prompt_one_token_per_step
+        for seq in seqs:
             start = seq.num_computed_tokens
-            end = start + 1 if (self.limits.feed_prompt_one_token_per_step
-                                and start < seq.num_hidden_tokens) else seq.num_tokens
+            num_tokens = len(seq.token_ids)
+            end = start + 1 if one_prompt_token and start < seq.num_hidden_tokens else num_tokens
             # cross_block_ids is shared, not copied: it is replaced, never mutated, while
             # the request lives. block_ids is copied: it grows in place next step.
             out.seqs.append(ScheduledSeq(
@@ -230,19 +239,20 @@ class Scheduler(BeamScheduling):
                 input_token_ids=seq.token_ids[start:end],
                 start_pos=seq.num_computed_tokens, block_ids=list(seq.block_ids),
                 cross_block_ids=req.cross_block_ids, encoder_len=req.encoder_len,
-                num_output_tokens=seq.num_output_tokens))
+                num_output_tokens=num_tokens - seq.num_hidden_tokens))
             budget.num_tokens += end - start
-            budget.num_seqs += 1
             budget.num_growth_blocks += self._num_growth_blocks(req, seq)
             if req.beam is not None:
                 out.seqs[-1].cumulative_logprob = seq.cumulative_logprob
                 if req.beam.needs_token_ids:
                     out.seqs[-1].output_token_ids = seq.output_token_ids
-        # Beams not forked yet: their rows (and a private last block each) are reserved now, so
-        # expanding never overflows max_batch_size nor preempts at once.
-        num_unexpanded = self._num_unexpanded_beams(req, _schedulable(req))
-        budget.num_seqs += num_unexpanded
-        budget.num_growth_blocks += num_unexpanded
+        budget.num_seqs += len(seqs)
+        if req.beam is not None:
+            # Beams not forked yet: their rows (and a private last block each) are reserved now,
+            # so expanding never overflows max_batch_size nor preempts at once.
+            num_unexpanded = self._num_unexpanded_beams(req, seqs)
+            budget.num_seqs += num_unexpanded
+            budget.num_growth_blocks += num_unexpanded
 
     def _num_missing_self_blocks(self, seq: Sequence) -> int:
         return blocks_needed(seq.num_tokens, self.limits.tokens_per_block) - len(seq.block_ids)
