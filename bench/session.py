@@ -48,9 +48,9 @@ async def _bench_target(target, reqs: list[BenchRequest], opts: BenchOptions, pr
     for c in opts.concurrency:
         if warm:
             # At least one full wave at the level's concurrency, as the baselines warm one batch of
-            # each size: first-use work for the level's batch shapes (kernel compiles, suspected)
-            # must not land in the measured window (run I: Whisper C=64 on a fresh machine
-            # 3,343 tok/s with a 1-request warm-up, 5,914 on the same machine later).
+            # each size: first-use work for the level's batch shapes (kernel compiles) must not
+            # land in the measured window, where on a fresh machine it can cost half the
+            # throughput (docs/benchmarks.md).
             wave = cycle_requests(reqs, max(len(warm), c))
             progress.start(f"{target.name} C={c} warm-up", len(wave))
             await closed_loop(target.send, wave, c, len(wave), None, progress)

@@ -5,9 +5,9 @@
 #
 #   bench/scripts/gpu_suite.sh t5; bench/scripts/gpu_suite.sh whisper     # or all (default) in one go
 #
-# Measured on an H200 (torch 2.11, transformers 5.17): t5 took 214 s; whisper is estimated at
-# 4-5 minutes (hf-compile compiles about 35 s per batch size), so where one command may run at
-# most 10 minutes, run the two models as two commands.
+# On an H200 t5 takes about 4 minutes and whisper 4-5 (hf-compile compiles about 35 s per
+# batch size), so where one command may run at most 10 minutes, run the two models as two
+# commands.
 #
 # Writes $OUT/<name>.json (enc2dec.bench/v1, rewritten after every level), .csv and .log,
 # and $OUT/commands.txt (the exact commands), then prints a short table. Environment:
