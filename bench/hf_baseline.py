@@ -6,7 +6,9 @@ otherwise), same dtype and device, eager, dynamic cache. ``hf-compile``: the sam
 ``cache_implementation="static"`` and a ``CompileConfig``, so ``generate`` runs its decode
 steps through ``torch.compile`` (transformers does this only on CUDA).
 
-Requests run in static batches of the concurrency level, greedy, with
+Requests run in static batches of the concurrency level, decoding as the engine does
+(``engine_generation_config``: greedy or ``--beam-width`` beams; no sampling, n-gram
+blocking or penalties), with
 ``min_new_tokens = max_new_tokens`` = the longest output length in the batch, so lengths
 match the engine's. Each request counts its own output length. Token times come from a
 generation streamer: ``generate`` hands it every step's tokens with ``.cpu()``, which waits
@@ -64,56 +66,36 @@ class HfBaseline:
     def __init__(self, kind: str, model: str, load_format: str, device, dtype, num_beams: int = 1):
         if kind not in BASELINES:
             raise BenchInputError(f"--baseline {kind!r} is not valid; valid: {', '.join(BASELINES)}")
-        import torch
-        import transformers
+        from enc2dec.engine.inputs.hf_reference import engine_generation_config, load_hf_model
         from enc2dec.engine.inputs.model_source import resolve_model
-        from transformers import AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq
 
         self.name = kind
         try:
             src = resolve_model(model, None, load_format)
         except ValueError as e:
             raise BenchInputError(f"--baseline {kind}: {e}") from None
-        self.device = device
-        self.is_whisper = src.hf_config.model_type == "whisper"
         if kind == "hf-compile" and device.type != "cuda":
             raise BenchInputError("--baseline hf-compile needs a CUDA GPU (transformers compiles generate's "
                                   "forward only there); use --baseline hf on the CPU")
-        self.tokenizer = src.tokenizer
-        self.feature_extractor = src.feature_extractor
-        transformers.logging.set_verbosity_error()     # generate's per-call advice would flood the table
-        auto = AutoModelForSpeechSeq2Seq if self.is_whisper else AutoModelForSeq2SeqLM
-        with torch.device(device):
-            if src.path is not None and load_format != "dummy":
-                self.model = auto.from_pretrained(src.path, dtype=dtype)
-            else:
-                self.model = auto.from_config(src.hf_config, dtype=dtype)
-        self.model.eval()
-        gen = src.generation_config
-        gen.do_sample, gen.num_beams = False, num_beams     # the engine's --beam-width (1: greedy)
-        gen.length_penalty, gen.early_stopping = 1.0, False   # the engine's defaults
-        gen.temperature = gen.top_p = gen.top_k = None
+        self.hf = load_hf_model(src, device, dtype, load_format)
+        self.device, self.is_whisper, self.tokenizer = self.hf.device, self.hf.is_whisper, src.tokenizer
+        gen, _ = engine_generation_config(src.generation_config, src.hf_config, num_beams)
         if kind == "hf-compile":
             from transformers import CompileConfig
 
             gen.cache_implementation = "static"
             gen.compile_config = CompileConfig()
+        self.hf.use_generation_config(gen)
         self.generation_config = gen
-        self.pad_id = next((t for t in (getattr(src.hf_config, "pad_token_id", None),
-                                        getattr(gen, "pad_token_id", None)) if t is not None), 0)
         self.static_input_len: int | None = None   # hf-compile pads every batch to one length
 
     # ---- one static batch -------------------------------------------------------------------
-    def _inputs(self, batch: list[BenchRequest]) -> dict:
-        import torch
-
+    def _inputs(self, batch: list[BenchRequest]) -> tuple[dict, list[int]]:
         if self.is_whisper:
-            waves = [r.prompt["multi_modal_data"]["audio"][0][0] for r in batch]
-            feats = self.feature_extractor(waves, sampling_rate=16000, return_tensors="pt").input_features
-            inputs = {"input_features": feats.to(self.device, self.model.dtype)}
+            inputs = self.hf.audio_batch([r.prompt["multi_modal_data"]["audio"][0][0] for r in batch])
             if getattr(self.generation_config, "lang_to_id", None):
                 inputs.update(language="en", task="transcribe")
-            return inputs
+            return inputs, [0] * len(batch)
         ids = []
         for r in batch:
             if r.is_text:
@@ -123,30 +105,19 @@ class HfBaseline:
                 ids.append(self.tokenizer(r.prompt).input_ids)
             else:
                 ids.append(list(r.prompt))
-        width = max(self.static_input_len or 0, max(len(x) for x in ids))
-        input_ids = torch.full((len(ids), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(ids), width), dtype=torch.long)
-        for i, x in enumerate(ids):
-            input_ids[i, :len(x)] = torch.tensor(x)
-            mask[i, :len(x)] = 1
-        return {"input_ids": input_ids.to(self.device), "attention_mask": mask.to(self.device),
-                "_lens": [len(x) for x in ids]}
+        return self.hf.token_batch(ids, self.static_input_len or 0), [len(x) for x in ids]
 
     def run_batch(self, batch: list[BenchRequest]) -> list[RequestRecord]:
         import torch
 
         start = time.monotonic()
-        inputs = self._inputs(batch)
-        in_lens = inputs.pop("_lens", [0] * len(batch))
+        inputs, in_lens = self._inputs(batch)
         n_new = max(r.output_len for r in batch)
         # transformers cannot stream beam search: beams then get no per-token times (no TTFT/TPOT).
         streamer = _TimingStreamer() if self.generation_config.num_beams == 1 else None
         try:
-            with torch.inference_mode():
-                self.model.generate(**inputs, generation_config=self.generation_config, max_new_tokens=n_new,
-                                    min_new_tokens=n_new, pad_token_id=self.pad_id, streamer=streamer)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+            self.hf.generate(inputs, self.generation_config, max_new_tokens=n_new, min_new_tokens=n_new,
+                             pad_token_id=self.hf.pad_id, streamer=streamer)
             error = None
         except torch.cuda.OutOfMemoryError as e:     # the batch fails; smaller levels' results stand
             error = f"out of GPU memory: {str(e).splitlines()[0]}"
@@ -202,9 +173,5 @@ class HfBaseline:
         return lambda: {"peak_gpu_mem_gib": torch.cuda.max_memory_allocated(self.device) / 2**30}
 
     def close(self) -> None:
-        import torch
-
-        self.model = None
-        if self.device.type == "cuda":
-            with contextlib.suppress(Exception):
-                torch.cuda.empty_cache()
+        with contextlib.suppress(Exception):
+            self.hf.close()

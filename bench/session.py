@@ -48,9 +48,9 @@ async def _bench_target(target, reqs: list[BenchRequest], opts: BenchOptions, pr
     for c in opts.concurrency:
         if warm:
             # At least one full wave at the level's concurrency, as the baselines warm one batch of
-            # each size: first-use work for the level's batch shapes (kernel compiles, suspected)
-            # must not land in the measured window (run I: Whisper C=64 on a fresh machine
-            # 3,343 tok/s with a 1-request warm-up, 5,914 on the same machine later).
+            # each size: first-use work for the level's batch shapes (kernel compiles) must not
+            # land in the measured window, where on a fresh machine it can cost half the
+            # throughput (docs/benchmarks.md).
             wave = cycle_requests(reqs, max(len(warm), c))
             progress.start(f"{target.name} C={c} warm-up", len(wave))
             await closed_loop(target.send, wave, c, len(wave), None, progress)
@@ -142,16 +142,24 @@ class _Run:
         return BenchResult(self.levels, self.meta, self.primary, misses)
 
     def _run_engine(self):
-        from .runner import EngineTarget, build_llm_args, start_llm
+        from enc2dec.engine.launch import build_llm_args
+
+        from . import runner
 
         opts, meta = self.opts, self.meta
         overrides = dict(opts.engine_overrides, load_format=opts.load_format, dtype=opts.dtype, device=opts.device)
-        args = build_llm_args(opts.model, opts.config, **overrides)
+        try:
+            args = build_llm_args(opts.model, opts.config, **overrides)
+        except ValueError as e:
+            raise BenchInputError(f"engine config: {e}") from None
         if opts.beam_width > 1:
             # Reserve the beams, and a decoder row for each beam of every request in flight.
             args = dataclasses.replace(args, max_beam_width=max(args.max_beam_width, opts.beam_width),
                                        max_batch_size=max(args.max_batch_size, max(opts.concurrency) * opts.beam_width))
-        llm = start_llm(args)
+        try:
+            llm = runner.start_llm(args)
+        except ValueError as e:
+            raise BenchInputError(str(e)) from None
         try:
             core = getattr(llm, "engine", None)
             hf_config = getattr(core, "hf_config", None)
@@ -167,7 +175,7 @@ class _Run:
             meta.update(device=_device_info(device, None), dtype=str(dtype).replace("torch.", ""),
                         load_format=args.load_format,
                         engine_args={k: v for k, v in dataclasses.asdict(args).items() if k != "tokenizer"})
-            target = EngineTarget(llm, opts.streaming, opts.beam_width)
+            target = runner.EngineTarget(llm, opts.streaming, opts.beam_width)
             asyncio.run(_bench_target(target, reqs, opts, self.progress, self.add))
         finally:
             llm.shutdown()

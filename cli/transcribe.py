@@ -47,7 +47,6 @@ Examples:
 """
 
 DEFAULT_MODEL = "openai/whisper-large-v3"
-DEFAULT_CROSS_KV_FRACTION = 0.5
 
 
 D, O, E = "Decoding", "Output", "Engine"
@@ -124,21 +123,15 @@ def _check_options(o: dict) -> tuple[list[str], list[str]]:
 
 
 def _llm_args(o: dict):
-    from enc2dec.engine import LlmArgs
+    from enc2dec.engine.launch import build_llm_args
     from enc2dec.engine.whisper.tokens import id_only_tokenizer_for
 
-    overrides = {k: o[k] for k in ("load_format", "dtype", "device") if o[k] is not None}
-    if o["tp_size"] is not None:
-        overrides["tensor_parallel_size"] = o["tp_size"]
     try:
-        args = (LlmArgs.from_yaml(o["config"], model=o["model"], **overrides) if o["config"]
-                else LlmArgs.from_dict({}, model=o["model"], **overrides))
-        if args.kv_cache_config.cross_kv_cache_fraction is None:
-            kv = dataclasses.replace(args.kv_cache_config, cross_kv_cache_fraction=DEFAULT_CROSS_KV_FRACTION)
-            args = dataclasses.replace(args, kv_cache_config=kv)
+        args = build_llm_args(o["model"], o["config"], load_format=o["load_format"], dtype=o["dtype"],
+                              device=o["device"], tensor_parallel_size=o["tp_size"])
         if args.max_beam_width < o["beam_size"]:      # reserve the beams --beam-size asks for
             args = dataclasses.replace(args, max_beam_width=o["beam_size"])
-    except (ValueError, TypeError) as e:
+    except ValueError as e:
         raise _UsageError(f"engine config: {e}") from None
     if args.tokenizer is None:
         # Dummy weights have no tokenizer; prefixes are then given as special-token strings.
@@ -149,7 +142,7 @@ def _llm_args(o: dict):
 
 
 def _run(o: dict) -> int:
-    from enc2dec.engine import LLM
+    from enc2dec.engine.launch import start_llm
     from enc2dec.engine.whisper.subtitles import TIMED_FORMATS, output_stems, render, write_outputs
     from enc2dec.engine.whisper.transcribe import transcribe as run_transcribe
     from enc2dec.engine.whisper.tokens import engine_whisper_info
@@ -163,9 +156,9 @@ def _run(o: dict) -> int:
         t0 = time.perf_counter()
         try:
             with progress.status(f"loading {args.model}"):
-                llm = LLM.from_args(args)
+                llm = start_llm(args)
         except ValueError as e:
-            raise _UsageError(f"cannot start the engine for {args.model}: {e}") from None
+            raise _UsageError(str(e)) from None
         load_s = time.perf_counter() - t0
         with llm:
             try:

@@ -1,4 +1,4 @@
-"""The engine side of an eval: build the LLM from the options, run every example.
+"""The engine side of an eval: every example through the started LLM.
 
 Requests go in through ``generate_async`` with a bounded number in flight (the engine
 batches them continuously; the bound keeps audio features of a large dataset out of
@@ -8,55 +8,11 @@ failed run.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from .data import BadRow, Example
-from .errors import EvalInputError
-
-DEFAULT_CROSS_KV_FRACTION = 0.5
-
-
-def _config_sets(config: str, key: str) -> bool:
-    import yaml
-
-    try:
-        with open(config) as f:
-            data = yaml.safe_load(f)
-    except (OSError, yaml.YAMLError):
-        return False         # from_yaml reports the problem with the file
-    return isinstance(data, dict) and key in data
-
-
-def build_llm_args(model: str, config: str | None, overrides: dict[str, Any], default_max_batch_size: int):
-    """LlmArgs from the YAML (if any) and the command-line options, which win. When neither
-    sets them, ``max_batch_size`` is eval's batch size and ``kv_cache_config.cross_kv_cache_fraction``
-    is 0.5."""
-    from enc2dec.engine import LlmArgs
-
-    overrides = {k: v for k, v in overrides.items() if v is not None}
-    if "max_batch_size" not in overrides and not (config and _config_sets(config, "max_batch_size")):
-        overrides["max_batch_size"] = default_max_batch_size
-    try:
-        args = LlmArgs.from_yaml(config, model=model, **overrides) if config else \
-            LlmArgs.from_dict({}, model=model, **overrides)
-        if args.kv_cache_config.cross_kv_cache_fraction is None:
-            kv = dataclasses.replace(args.kv_cache_config, cross_kv_cache_fraction=DEFAULT_CROSS_KV_FRACTION)
-            args = dataclasses.replace(args, kv_cache_config=kv)
-    except ValueError as e:
-        raise EvalInputError(f"--config {config}: {e}" if config else str(e)) from None
-    return args
-
-
-def start_llm(args):
-    from enc2dec.engine import LLM
-
-    try:
-        return LLM.from_args(args)
-    except ValueError as e:
-        raise EvalInputError(f"cannot start the engine for {args.model}: {e}") from None
 
 
 @dataclass

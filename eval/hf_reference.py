@@ -14,100 +14,37 @@ from the engine's is run again alone (``generate_alone``) and that result is the
 """
 from __future__ import annotations
 
-import copy
 import time
 
 from .parity import canonical_hf_ids
-
-# generation-config keys and the values that make transformers decode as the engine does
-_GREEDY = {
-    "do_sample": False, "num_beams": 1, "num_beam_groups": 1, "num_return_sequences": 1,
-    "no_repeat_ngram_size": 0, "encoder_no_repeat_ngram_size": 0, "repetition_penalty": 1.0,
-    "encoder_repetition_penalty": 1.0, "length_penalty": 1.0, "min_length": 0, "min_new_tokens": None,
-    "forced_eos_token_id": None, "bad_words_ids": None, "early_stopping": False, "max_length": None,
-    "temperature": None, "top_k": None, "top_p": None, "typical_p": None, "diversity_penalty": None,
-    "exponential_decay_length_penalty": None, "sequence_bias": None, "renormalize_logits": False,
-}
-# overridden settings worth telling the user about (the rest are sampling knobs greedy ignores)
-_NOTEWORTHY = ("num_beams", "no_repeat_ngram_size", "repetition_penalty", "length_penalty", "min_length",
-               "forced_eos_token_id", "do_sample", "encoder_no_repeat_ngram_size")
-
-
-def _greedy_config(gen, is_whisper: bool):
-    gen = copy.deepcopy(gen)
-    notes = []
-    for key, neutral in _GREEDY.items():
-        old = getattr(gen, key, None)
-        if key in _NOTEWORTHY and old not in (None, neutral, 0, 1.0, False):
-            notes.append(f"{key}={old}")
-        setattr(gen, key, neutral)
-    if not is_whisper:      # the engine applies token suppression to Whisper only
-        for key in ("suppress_tokens", "begin_suppress_tokens"):
-            if getattr(gen, key, None):
-                notes.append(f"{key}={getattr(gen, key)}")
-            setattr(gen, key, None)
-    return gen, notes
 
 
 class HfReference:
     def __init__(self, model_path: str, device, dtype, hf_config, generation_config, tokenizer,
                  feature_extractor, max_new_tokens: int, whisper_kwargs: dict | None, eos_ids: frozenset[int],
                  num_beams: int = 1):
-        import torch
-        import transformers
-        from transformers import AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq
+        from enc2dec.engine.inputs.hf_reference import engine_generation_config, load_hf_model
+        from enc2dec.engine.inputs.model_source import ModelSource
 
-        transformers.logging.set_verbosity_error()   # per-call advice on max_length etc. would flood the run
-        transformers.logging.disable_progress_bar()  # eval draws its own
-        self.is_whisper = hf_config.model_type == "whisper"
-        self.device, self.tokenizer, self.feature_extractor = device, tokenizer, feature_extractor
+        source = ModelSource(model_path, hf_config, generation_config, tokenizer, feature_extractor)
+        self.hf = load_hf_model(source, device, dtype)
+        self.is_whisper, self.device, self.tokenizer = self.hf.is_whisper, self.hf.device, tokenizer
         self.max_new_tokens = max_new_tokens
         self.eos_ids = eos_ids
         self.whisper_kwargs = whisper_kwargs or {}
-        auto = AutoModelForSpeechSeq2Seq if self.is_whisper else AutoModelForSeq2SeqLM
-        self.model = auto.from_pretrained(model_path, dtype=dtype).to(device).eval()
-        gen, overridden = _greedy_config(generation_config, self.is_whisper)
-        gen.num_beams = num_beams      # the engine's width; length_penalty / early_stopping stay at its defaults
-        how = "greedily" if num_beams == 1 else f"with num_beams={num_beams}"
-        self.notes = [(f"the checkpoint's generation config sets {', '.join(overridden)}; both sides decode "
-                       f"{how} without them")] if overridden else []
-        if hf_config.model_type == "t5" and (hf_config.num_decoder_layers or hf_config.num_layers) != \
-                hf_config.num_layers:
-            # transformers 5.x sizes T5's DynamicCache by num_layers and fails when the decoder is
-            # deeper or shallower; without the cache it recomputes, with the same results.
-            gen.use_cache = False
-            self.notes.append("transformers ran with use_cache=False (its T5 cache breaks when "
-                              "num_decoder_layers != num_layers)")
-        self.pad_id = next((t for t in (hf_config.pad_token_id, getattr(generation_config, "pad_token_id", None))
-                            if t is not None), 0)
-        gen.max_new_tokens, gen.pad_token_id = max_new_tokens, self.pad_id
-        # generate() fills a setting left None from model.generation_config: it must be ours too,
-        # or the checkpoint's forced_eos_token_id etc. come back.
-        self.model.generation_config = self.generation_config = gen
-        self._torch = torch
+        gen, self.notes = engine_generation_config(generation_config, hf_config, num_beams)
+        gen.max_new_tokens, gen.pad_token_id = max_new_tokens, self.hf.pad_id
+        self.hf.use_generation_config(gen)
+        self.generation_config = gen
 
     # ---- one batch -----------------------------------------------------------------------------
     def _inputs(self, items: list) -> dict:
-        torch = self._torch
         if self.is_whisper:
-            feats = self.feature_extractor([wave for wave in items], sampling_rate=16000,
-                                           return_tensors="pt").input_features
-            return {"input_features": feats.to(self.device, self.model.dtype), **self.whisper_kwargs}
-        width = max(len(ids) for ids in items)
-        input_ids = torch.full((len(items), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(items), width), dtype=torch.long)
-        for i, ids in enumerate(items):
-            input_ids[i, :len(ids)] = torch.tensor(ids)
-            mask[i, :len(ids)] = 1
-        return {"input_ids": input_ids.to(self.device), "attention_mask": mask.to(self.device)}
+            return {**self.hf.audio_batch(list(items)), **self.whisper_kwargs}
+        return self.hf.token_batch(items)
 
     def _generate(self, items: list) -> list[list[int]]:
-        torch = self._torch
-        with torch.inference_mode():
-            out = self.model.generate(**self._inputs(items), generation_config=self.generation_config)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        rows = out.tolist()
+        rows = self.hf.generate(self._inputs(items), self.generation_config).tolist()
         # Text models return the decoder start token first; Whisper (transformers 5) returns only
         # what follows the prefix and strips the final EOS.
         rows = [r if self.is_whisper else r[1:] for r in rows]
@@ -139,6 +76,4 @@ class HfReference:
         return self._generate([item])[0]
 
     def close(self) -> None:
-        self.model = None
-        if self.device.type == "cuda":
-            self._torch.cuda.empty_cache()
+        self.hf.close()

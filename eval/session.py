@@ -11,9 +11,11 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
+from enc2dec.engine.launch import build_llm_args, start_llm
+
 from . import metrics as M
 from .data import BadRow, Example, LoadedData, all_bad_error, load_examples
-from .engine_runner import build_llm_args, run_engine, start_llm, warm_up
+from .engine_runner import run_engine, warm_up
 from .errors import EvalInputError
 from .options import EvalOptions
 from .parity import first_difference, parity_stats
@@ -126,12 +128,22 @@ def _checks(opts: EvalOptions, ours: dict, parity: dict | None) -> list[Check]:
     return checks
 
 
+def engine_args(opts: EvalOptions):
+    """The engine's options: the YAML (if any) and the command line, which wins; where neither
+    sets ``max_batch_size`` it is eval's ``--batch-size``, so both sides batch alike."""
+    try:
+        return build_llm_args(opts.model, opts.config, defaults={"max_batch_size": opts.batch_size},
+                              **opts.engine_overrides)
+    except ValueError as e:
+        raise EvalInputError(f"--config {opts.config}: {e}" if opts.config else str(e)) from None
+
+
 def run_eval(opts: EvalOptions, progress=None) -> EvalResult:
     progress = progress or NullProgress()
     opts.validate()
     spec = opts.spec
     M.check_available(spec.metrics)
-    args = build_llm_args(opts.model, opts.config, opts.engine_overrides, opts.batch_size)
+    args = engine_args(opts)
     if opts.num_beams > 1:
         # Reserve the beams, and rows for them: transformers runs batch_size x num_beams rows too.
         args = dataclasses.replace(args, max_beam_width=max(args.max_beam_width, opts.num_beams),
@@ -202,7 +214,10 @@ def _plan(opts: EvalOptions, args, core, tokenizer, data: LoadedData, bad: list[
 def _engine_side(opts: EvalOptions, args, data: LoadedData, bad: list[BadRow], progress):
     from enc2dec.engine import SamplingParams
 
-    llm = start_llm(args)
+    try:
+        llm = start_llm(args)
+    except ValueError as e:
+        raise EvalInputError(str(e)) from None
     try:
         core = llm.engine
         plan, examples = _plan(opts, args, core, llm.tokenizer, data, bad)

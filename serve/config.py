@@ -5,10 +5,11 @@ bad option is a usage error (exit 2) and never a half-started server.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
-DEFAULT_CROSS_KV_FRACTION = 0.5
+# serve's CLI and app build the engine's options as every command does.
+from enc2dec.engine.launch import build_llm_args  # noqa: F401
+
 API_KEY_ENV = "ENC2DEC_API_KEY"
 
 
@@ -66,16 +67,3 @@ class ServeConfig:
         """A request may name any served name or the model argument; omitting it means the default."""
         return not name or name in self.served_model_names or name == self.model
 
-
-def build_llm_args(model: str, config_path: str | None = None, **overrides):
-    """``LlmArgs`` from the YAML config plus command-line overrides (None: not given). A config
-    without ``kv_cache_config.cross_kv_cache_fraction`` gets 0.5, as bench does."""
-    from enc2dec.engine import LlmArgs
-
-    overrides = {k: v for k, v in overrides.items() if v is not None}
-    args = (LlmArgs.from_yaml(config_path, model=model, **overrides) if config_path
-            else LlmArgs.from_dict({}, model=model, **overrides))
-    if args.kv_cache_config.cross_kv_cache_fraction is None:
-        kv = dataclasses.replace(args.kv_cache_config, cross_kv_cache_fraction=DEFAULT_CROSS_KV_FRACTION)
-        args = dataclasses.replace(args, kv_cache_config=kv)
-    return args

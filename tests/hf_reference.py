@@ -1,19 +1,13 @@
 """transformers' own models as the reference the engine is checked against."""
 from __future__ import annotations
 
-import json
-
 import torch
+from enc2dec.engine.inputs.hf_reference import load_hf_model
+from enc2dec.engine.inputs.model_source import resolve_model
 
 
 def hf_whisper(path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    """WhisperForConditionalGeneration from ``path`` with the generation-config keys that
-    transformers 5.x drops on load (lang_to_id, task_to_id, is_multilingual) put back."""
-    from transformers import WhisperForConditionalGeneration
-
-    model = WhisperForConditionalGeneration.from_pretrained(str(path), dtype=dtype).to(device).eval()
-    with open(f"{path}/generation_config.json") as f:
-        for key, value in json.load(f).items():
-            if not hasattr(model.generation_config, key):
-                setattr(model.generation_config, key, value)
-    return model
+    """WhisperForConditionalGeneration from ``path``, loaded as bench and eval load their
+    reference, so its generation config keeps the keys transformers 5.x drops on load
+    (lang_to_id, task_to_id, is_multilingual) and the checkpoint's own decoding settings."""
+    return load_hf_model(resolve_model(str(path)), device, dtype).model

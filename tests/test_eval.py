@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -97,6 +98,25 @@ def test_bad_rows_are_counted_not_fatal(t5_relu, tmp_path):
     assert "max_input_len=24" in d["bad_rows"][3]["detail"]
     assert rep["engine"]["max_batch_size"] == 4 and rep["parity"] is None and rep["metrics"]["hf"] is None
     assert "2 used, 5 bad" in r.output
+
+
+def test_dataset_folder_saved_with_datasets(t5_relu, tmp_path, monkeypatch):
+    # A folder written by datasets' save_to_disk (one split, no DatasetDict) is read with
+    # load_from_disk: its rows reach both sides, and without the package it is a usage error.
+    datasets = pytest.importorskip("datasets")
+    folder = tmp_path / "ds"
+    datasets.Dataset.from_dict({"source": SENTENCES[:3], "target": [s.upper() for s in SENTENCES[:3]]}) \
+        .save_to_disk(str(folder))
+    out = tmp_path / "r.json"
+    r = eval_cli("--task", "translation", "--model", t5_relu, "--data", str(folder), "--max-tokens", "5",
+                 "--min-parity", "1.0", "--report-json", str(out))
+    assert r.exit_code == 0, r.output
+    rep = json.loads(out.read_text())
+    assert (rep["data"]["num_rows"], rep["data"]["num_used"]) == (3, 3)
+    assert rep["parity"]["exact_match"] == 1.0 and rep["parity"]["num_compared"] == 3
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    r = eval_cli("--task", "translation", "--model", t5_relu, "--data", str(folder))
+    assert r.exit_code == 2 and "needs the 'datasets' package" in r.output
 
 
 def test_limit_counts_bad_rows_too(t5_relu, tmp_path):

@@ -6,9 +6,10 @@ import json
 import pytest
 from enc2dec.eval import metrics
 from enc2dec.eval.data import DataSpec, load_examples
-from enc2dec.eval.engine_runner import build_llm_args
 from enc2dec.eval.errors import EvalInputError
+from enc2dec.eval.options import EvalOptions
 from enc2dec.eval.parity import canonical_hf_ids, first_difference, parity_stats
+from enc2dec.eval.session import engine_args
 from enc2dec.eval.tasks import TASKS
 
 TRANSLATION = TASKS["translation"]
@@ -112,17 +113,22 @@ def test_first_difference_and_stats():
 
 # ---- engine args ------------------------------------------------------------------------------------
 
+def _engine_args(config=None, batch_size=16, **overrides):
+    return engine_args(EvalOptions("translation", "m", batch_size=batch_size, config=config,
+                                   engine_overrides=overrides))
+
+
 def test_engine_args_default_cross_fraction_and_batch_size(tmp_path):
-    args = build_llm_args("m", None, {"dtype": "float32"}, default_max_batch_size=16)
+    args = _engine_args(dtype="float32")
     assert args.kv_cache_config.cross_kv_cache_fraction == 0.5 and args.max_batch_size == 16
     cfg = tmp_path / "c.yaml"
     cfg.write_text("max_batch_size: 64\nkv_cache_config:\n  cross_kv_cache_fraction: 0.3\n")
-    args = build_llm_args("m", str(cfg), {}, default_max_batch_size=16)
+    args = _engine_args(str(cfg))
     assert args.kv_cache_config.cross_kv_cache_fraction == 0.3 and args.max_batch_size == 64
-    assert build_llm_args("m", str(cfg), {"max_batch_size": 8}, 16).max_batch_size == 8   # the option wins
+    assert _engine_args(str(cfg), max_batch_size=8).max_batch_size == 8   # the option wins
     cfg.write_text("max_batch_sise: 64\n")
     with pytest.raises(EvalInputError, match="Did you mean 'max_batch_size'"):
-        build_llm_args("m", str(cfg), {}, 16)
+        _engine_args(str(cfg))
 
 
 def test_t5_task_prefix_comes_from_the_checkpoint():

@@ -1,8 +1,8 @@
 """Move the real Whisper folders from ../shared/tools/real_models.py to an offline GPU machine
 in pieces small enough for a size-limited transfer, losslessly.
 
-    python bench/carry_real.py pack ~/.cache/enc2dec-real whisper-tiny.en .carry --piece-mb 40
-    python bench/carry_real.py unpack .carry /tmp/real        # on the other machine
+    python bench/scripts/carry_real.py pack ~/.cache/enc2dec-real whisper-tiny.en .carry --piece-mb 40
+    python bench/scripts/carry_real.py unpack .carry /tmp/real        # on the other machine
 
 ``pack`` stores the folder's float32 weights as float16 (they came from float16 CTranslate2
 files, so float16 -> float32 on ``unpack`` restores every value bit for bit), tars the folder

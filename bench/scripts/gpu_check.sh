@@ -1,29 +1,29 @@
 #!/usr/bin/env bash
 # One call on a GPU machine, in sections: install, then any of
 #   tests    pytest -m gpu (engine GPU tests first, then kernels)
-#   profile  bench/profile_step.py: kernels per decoder step, T5 and Whisper, C=1 and 64
+#   profile  bench/scripts/profile_step.py: kernels per decoder step, T5 and Whisper, C=1 and 64
 #   t5       flan-t5-large 128/128 at T5_CONC against BASELINES (issue 4's targets)
 #   ablate   graphs off / overlap off / torch attention / skinny GEMV off / its fused norms off /
 #            encoder graphs off, at C=1 and 64 (T5_ABLATE; Whisper for those in WHISPER_ABLATE);
 #            'default' is the same levels with nothing off, e.g. WHISPER_ABLATE="default noegraph"
 #   whisper  whisper-large-v3 30 s/96 tokens at WHISPER_CONC against BASELINES
 #   wtok     whisper-large-v3 at C=64 for each per-step token budget in WTOK (admission speed)
-#   rtf      bench/transcribe_rtf.sh (10 minutes of audio, both long-form strategies)
+#   rtf      bench/scripts/transcribe_rtf.sh (10 minutes of audio, both long-form strategies)
 #   eval     enc2dec eval on the real LibriVox manifest with real Whisper base, bf16, vs HF
-#   beam     bench/beam_check.sh (if present);  tp  bench/tp_check.sh (if present)
+#   beam     bench/scripts/beam_check.sh (if present);  tp  bench/scripts/tp_check.sh (if present)
 # Each part has its own time limit. Reports land in $WORK (default /tmp/gpu-out) and are packed
 # into $OUT/results.tgz (the device returns a few files only); a short table is printed last.
 #
-#   OUT=./gpu-out bench/gpu_check.sh tests profile whisper rtf
+#   OUT=./gpu-out bench/scripts/gpu_check.sh tests profile whisper rtf
 #
-# Real Whisper folders packed by bench/carry_real.py are unpacked from .carry*/ into /tmp/real;
+# Real Whisper folders packed by bench/scripts/carry_real.py are unpacked from .carry*/ into /tmp/real;
 # wheels in .whl/ (soundfile, soxr, jiwer, ...) are installed into /tmp/site. A transfer limit
 # of 64 MiB per call means the pieces travel over consecutive calls on a warm machine, e.g.
-#   python bench/carry_real.py pack ~/.cache/enc2dec-real whisper-tiny.en /tmp/tiny --piece-mb 52
-#   python bench/carry_real.py pack ~/.cache/enc2dec-real whisper-base /tmp/base --piece-mb 30
+#   python bench/scripts/carry_real.py pack ~/.cache/enc2dec-real whisper-tiny.en /tmp/tiny --piece-mb 52
+#   python bench/scripts/carry_real.py pack ~/.cache/enc2dec-real whisper-base /tmp/base --piece-mb 30
 # then spread the parts (and speech/) over .carry1 ... .carry4, one folder carried per call.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."   # the repository root
 REPO=$PWD
 export OUT=$(realpath -m "${OUT:-./gpu-out}"); mkdir -p "$OUT"
 export WORK=${WORK:-/tmp/gpu-out}; mkdir -p "$WORK"
@@ -44,7 +44,7 @@ if ls -d "$REPO"/.carry* >/dev/null 2>&1; then
   mkdir -p /tmp/carry && cp -r "$REPO"/.carry*/. /tmp/carry/
 fi
 if [ -d /tmp/carry ]; then
-  python bench/carry_real.py unpack /tmp/carry /tmp/real 2>&1 | tail -4
+  python bench/scripts/carry_real.py unpack /tmp/carry /tmp/real 2>&1 | tail -4
   [ -d /tmp/carry/speech ] && [ ! -f /tmp/real/speech/manifest.jsonl ] && mkdir -p /tmp/real && cp -r /tmp/carry/speech /tmp/real/
   export ENC2DEC_REAL_MODELS=/tmp/real
 fi
@@ -73,7 +73,7 @@ for section in $SECTIONS; do
   profile)
     for args in "google/flan-t5-large 1" "google/flan-t5-large 64" "openai/whisper-large-v3 1" "openai/whisper-large-v3 64"; do
       set -- $args
-      timeout ${PROFILE_LIMIT_S:-75} python bench/profile_step.py --model $1 --concurrency $2 --output-len 48 --top 18 \
+      timeout ${PROFILE_LIMIT_S:-75} python bench/scripts/profile_step.py --model $1 --concurrency $2 --output-len 48 --top 18 \
           --json "$WORK/profile-${1#*/}-c$2.json" 2>&1 | grep -v -e Warning -e warn -e "^ *self.profiler" | tail -22
     done ;;
   t5) run t5 ${T5_LIMIT_S:-300} $T5 --concurrency ${T5_CONC:-1,8,64} --num-requests ${T5_NUM:-8,32,128} --warmup 2 \
@@ -103,7 +103,7 @@ for section in $SECTIONS; do
   wtok) for t in ${WTOK:-8192 24576}; do
       run "whisper-mnt$t" ${WTOK_LIMIT_S:-100} $WH --concurrency 64 --num-requests 128 --warmup 1 --max-num-tokens $t
     done ;;
-  rtf) OUT=$WORK RUN_LIMIT_S=${RTF_LIMIT_S:-100} timeout ${RTF_TOTAL_S:-400} bash bench/transcribe_rtf.sh 2>&1 | tail -7 ;;
+  rtf) OUT=$WORK RUN_LIMIT_S=${RTF_LIMIT_S:-100} timeout ${RTF_TOTAL_S:-400} bash bench/scripts/transcribe_rtf.sh 2>&1 | tail -7 ;;
   eval)
     if [ -d /tmp/real/whisper-base ] && [ -d /tmp/real/speech ]; then
       echo "enc2dec eval --task transcription --model /tmp/real/whisper-base --data /tmp/real/speech/manifest.jsonl --dtype bfloat16 --warmup 2 --report-json eval-base-bf16.json" >>"$WORK/commands.txt"
@@ -111,10 +111,10 @@ for section in $SECTIONS; do
           --data /tmp/real/speech/manifest.jsonl --dtype bfloat16 --warmup 2 --report-json "$WORK/eval-base-bf16.json" \
           >"$WORK/eval-base-bf16.log" 2>&1; echo "eval: exit $?"; tail -14 "$WORK/eval-base-bf16.log"
     else echo "eval: real whisper-base not here"; fi ;;
-  beam) [ -f bench/beam_check.sh ] && OUT=$WORK timeout ${BEAM_LIMIT_S:-240} bash bench/beam_check.sh 2>&1 | tail -12 ;;
-  tp) [ -f bench/tp_check.sh ] && OUT=$WORK timeout ${TP_LIMIT_S:-300} bash bench/tp_check.sh 2>&1 | tail -16 ;;
+  beam) [ -f bench/scripts/beam_check.sh ] && OUT=$WORK timeout ${BEAM_LIMIT_S:-240} bash bench/scripts/beam_check.sh 2>&1 | tail -12 ;;
+  tp) [ -f bench/scripts/tp_check.sh ] && OUT=$WORK timeout ${TP_LIMIT_S:-300} bash bench/scripts/tp_check.sh 2>&1 | tail -16 ;;
   *) echo "unknown section $section" ;;
   esac
 done
 tar -czf "$OUT/results.tgz" --exclude=./audio -C "$WORK" . 2>/dev/null
-python bench/summarize.py "$WORK"
+python bench/scripts/summarize.py "$WORK"

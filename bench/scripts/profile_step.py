@@ -1,7 +1,7 @@
 """Where a GPU step's time goes: torch.profiler over one static batch, kernels grouped by name.
 
-    python bench/profile_step.py --model google/flan-t5-large --concurrency 1 --output-len 64
-    python bench/profile_step.py --model openai/whisper-large-v3 --concurrency 64 --graphs off
+    python bench/scripts/profile_step.py --model google/flan-t5-large --concurrency 1 --output-len 64
+    python bench/scripts/profile_step.py --model openai/whisper-large-v3 --concurrency 64 --graphs off
 
 Prints wall time per generated token step, the GPU's busy time per step (sum of kernel
 durations), kernels launched per step, and the top kernels by total time. A diagnosis tool

@@ -3,9 +3,10 @@
 # identical to TP=1 on tiny models; bf16 TP=2 inside CUDA graphs), then flan-t5-xl bf16 with
 # dummy weights, 128 input / 128 output tokens, concurrency 1 and 64, TP=1 against TP=2.
 # JSON reports land under $OUT; a short table is printed last. About 6 minutes with the
-# install; each part has its own limit (TEST_LIMIT_S, BENCH_LIMIT_S); TP_TEST_K picks tests (pytest -k).    OUT=./tp-out bench/tp_check.sh
+# install; each part has its own limit (TEST_LIMIT_S, BENCH_LIMIT_S); TP_TEST_K picks tests (pytest -k).
+#     OUT=./tp-out bench/scripts/tp_check.sh
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."   # the repository root
 export OUT=$(realpath -m "${OUT:-./tp-out}"); mkdir -p "$OUT"
 # NVLink multicast off for us and the worker processes (the engine sets it too).
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 HF_HUB_OFFLINE=1

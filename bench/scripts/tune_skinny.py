@@ -1,6 +1,6 @@
 """Sweep the skinny GEMV kernel's launch configuration on the shapes of real decoders.
 
-    python bench/tune_skinny.py [--rows 1] [--json out.json]
+    python bench/scripts/tune_skinny.py [--rows 1] [--json out.json]
 
 For each weight shape of flan-t5-large and whisper-large-v3 (single-row decode steps) it
 times every (BLOCK_N, BLOCK_K, num_warps) in the grid and cuBLAS (``F.linear``), each as

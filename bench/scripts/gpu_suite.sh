@@ -3,11 +3,11 @@
 # whisper-large-v3 (30 s audio -> 96 tokens), dummy weights, bf16, concurrency 1, 8, 32, 64,
 # against transformers generate eager (hf) and static cache + torch.compile (hf-compile).
 #
-#   bench/gpu_suite.sh t5; bench/gpu_suite.sh whisper     # or all (default) in one go
+#   bench/scripts/gpu_suite.sh t5; bench/scripts/gpu_suite.sh whisper     # or all (default) in one go
 #
-# Measured on an H200 (torch 2.11, transformers 5.17): t5 took 214 s; whisper is estimated at
-# 4-5 minutes (hf-compile compiles about 35 s per batch size), so where one command may run at
-# most 10 minutes, run the two models as two commands.
+# On an H200 t5 takes about 4 minutes and whisper 4-5 (hf-compile compiles about 35 s per
+# batch size), so where one command may run at most 10 minutes, run the two models as two
+# commands.
 #
 # Writes $OUT/<name>.json (enc2dec.bench/v1, rewritten after every level), .csv and .log,
 # and $OUT/commands.txt (the exact commands), then prints a short table. Environment:
@@ -15,7 +15,7 @@
 # docs/bench.md for the trade-off), LIMIT_S (per model, default 420 s); for a CPU smoke run
 # of the script itself: T5_MODEL, WHISPER_MODEL (config folders), DTYPE, BASELINES.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."   # the repository root
 WHAT=${1:-all}
 OUT=${OUT:-./bench-out}
 NUM_REQUESTS=${NUM_REQUESTS:-4,16,64,128}

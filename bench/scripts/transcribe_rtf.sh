@@ -4,7 +4,7 @@
 # 8 files of 75 s. One model load; each run has its own time limit. Prints a short table and
 # writes $OUT/transcribe_rtf.json.
 #
-#   OUT=./rtf-out bench/transcribe_rtf.sh
+#   OUT=./rtf-out bench/scripts/transcribe_rtf.sh
 #   env: MODEL (openai/whisper-large-v3), DTYPE (bfloat16), TOTAL_S (600), RUN_LIMIT_S (150),
 #        BATCH_SIZE (32)
 #
@@ -12,7 +12,7 @@
 # Random weights decode no words: every window runs to the 224-token cap unless EOT comes by
 # chance, about twice the tokens of dense real speech, so these are pessimistic numbers.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."   # the repository root
 export OUT=$(realpath -m "${OUT:-./rtf-out}"); mkdir -p "$OUT/audio"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 python - <<'EOF'

@@ -3,9 +3,9 @@
 # speed claim) and in float32 (the exactness claim), on an audio manifest repeated REPEAT times
 # so the timed runs hold enough requests to batch. Reports land under OUT; a summary prints last.
 #
-#   eval/gpu_eval.sh WHISPER_FOLDER MANIFEST_JSONL
-#   OUT=./eval-out REPEAT=16 BATCH_SIZE=32 eval/gpu_eval.sh ~/whisper-base ~/speech/manifest.jsonl
-#   DEVICE=cpu REPEAT=1 BATCH_SIZE=2 eval/gpu_eval.sh ...     (a smoke test without a GPU)
+#   bench/scripts/gpu_eval.sh WHISPER_FOLDER MANIFEST_JSONL
+#   OUT=./eval-out REPEAT=16 BATCH_SIZE=32 bench/scripts/gpu_eval.sh ~/whisper-base ~/speech/manifest.jsonl
+#   DEVICE=cpu REPEAT=1 BATCH_SIZE=2 bench/scripts/gpu_eval.sh ...     (a smoke test without a GPU)
 #
 # WHISPER_FOLDER is a Hugging Face folder (config.json, weights, tokenizer, preprocessor_config.json);
 # MANIFEST_JSONL holds {"audio": file, "text": reference} lines, files relative to it. The metrics
@@ -18,7 +18,7 @@ if [ $# -lt 2 ] || [ ! -f "$1/config.json" ] || [ ! -f "$2" ]; then
   exit 2
 fi
 MODEL=$(realpath "$1"); MANIFEST=$(realpath "$2")
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."   # the repository root
 OUT=$(realpath -m "${OUT:-./eval-out}"); mkdir -p "$OUT"
 REPEAT=${REPEAT:-16}; BATCH_SIZE=${BATCH_SIZE:-32}; LIMIT_S=${LIMIT_S:-280}; DEVICE=${DEVICE:-cuda}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1

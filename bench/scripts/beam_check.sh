@@ -4,9 +4,9 @@
 # transformers generate(num_beams=4) (plain hf by default; BEAM_BASELINE=hf-compile tries the
 # compiled static-cache one, falling back to hf when it fails). JSON reports land under $OUT; a small table is printed last.
 # About 4 minutes at most (gpu_check.sh's "beam" section runs it with a 240 s limit).
-#     OUT=./gpu-out bench/beam_check.sh
+#     OUT=./gpu-out bench/scripts/beam_check.sh
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."   # the repository root
 export OUT=$(realpath -m "${OUT:-./gpu-out}"); mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 python -c "import enc2dec.cli.main" 2>/dev/null ||
