@@ -213,7 +213,7 @@ def skinny_linear(x: torch.Tensor | Prologue, weight: torch.Tensor, bias: torch.
     ``(k_cache, v_cache, slot_mapping)`` for a fused q|k|v projection: its k and v thirds are
     also written to the caches, as ``store_kv`` would. More rows (or no Triton) fall back to
     the references. ``block_n``/``block_k``/``num_warps`` override
-    ``launch_config`` (bench/tune_skinny.py)."""
+    ``launch_config`` (bench/scripts/tune_skinny.py)."""
     pro = x if isinstance(x, Prologue) else None
     src = pro.x if pro is not None else x
     rows = src.numel() // src.shape[-1] if src.shape[-1] else 0
