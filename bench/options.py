@@ -37,6 +37,12 @@ class BenchOptions:
     audio_seconds: float | None = None
     streaming: bool = False
     beam_width: int = 1                     # > 1: beam search (best_of=K, n=1); baselines num_beams=K
+    # Sampled decoding on the in-process engine (None: greedy); request i of the workload gets
+    # seed sampling_seed + i
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    sampling_seed: int | None = None
     baselines: tuple[str, ...] = ()
     url: str | None = None
     thresholds: tuple[Threshold, ...] = ()
@@ -62,6 +68,7 @@ class BenchOptions:
         if self.beam_width > 1 and self.url and self.is_audio_requested:
             raise BenchInputError("--beam-width with --url benches text completions only: the server's "
                                   "/v1/audio/transcriptions has no beam fields")
+        self._validate_sampling()
         sources = [name for name, v in (("--dataset", self.dataset), ("--hf-dataset", self.hf_dataset),
                                         ("--audio-dir", self.audio_dir), ("--audio-manifest", self.audio_manifest))
                    if v]
@@ -79,6 +86,36 @@ class BenchOptions:
                                       (self.url, "httpx", "--url needs 'httpx'")):
             if needed and importlib.util.find_spec(package) is None:
                 raise BenchInputError(f"{hint}, which is not installed: pip install {package}")
+
+    def _validate_sampling(self) -> None:
+        if self.temperature is not None and not self.temperature >= 0:
+            raise BenchInputError(f"--temperature must be >= 0 (0: greedy), got {self.temperature}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise BenchInputError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and self.top_k < 0:
+            raise BenchInputError(f"--top-k must be >= 0 (0: off), got {self.top_k}")
+        if not self.sampling:
+            return
+        names = ", ".join(f"--{k.replace('_', '-')}" for k in self.sampling)
+        for on, what in ((self.beam_width > 1, "--beam-width"), (self.url, "--url"), (self.baselines, "--baseline")):
+            if on:
+                raise BenchInputError(f"{names} sample on the in-process engine, which {what} does not bench "
+                                      f"(it decodes greedily or with beams); drop one of them")
+
+    @property
+    def sampling(self) -> dict:
+        """The sampling options given, as SamplingParams names (the report records them)."""
+        return {k: v for k, v in (("temperature", self.temperature), ("top_p", self.top_p),
+                                  ("top_k", self.top_k), ("sampling_seed", self.sampling_seed)) if v is not None}
+
+    def request_sampling(self, i: int) -> dict:
+        """SamplingParams keywords for request ``i`` of the workload ({}: greedy)."""
+        kw = {k: v for k, v in self.sampling.items() if k != "sampling_seed"}
+        if self.sampling_seed is not None:
+            kw["seed"] = self.sampling_seed + i
+        if kw and self.temperature is None:
+            kw["temperature"] = 1.0
+        return kw
 
     def level_num_requests(self, concurrency: int) -> int | None:
         if self.num_requests is not None:
@@ -125,6 +162,9 @@ def build_workload(opts: BenchOptions, is_whisper: bool, vocab_size: int | None)
     else:
         reqs = workloads.synthetic_requests(needed, in_dist, out_dist, opts.seed, vocab_size)
         desc.update(kind="synthetic", input_len=opts.input_len, input_dist=opts.input_dist)
+    if opts.sampling:
+        reqs = [dataclasses.replace(r, sampling=opts.request_sampling(i)) for i, r in enumerate(reqs)]
+        desc["sampling"] = opts.sampling
     desc["num_distinct_requests"] = len(reqs)
     return reqs, desc
 

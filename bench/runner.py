@@ -93,7 +93,7 @@ class EngineTarget:
     async def send(self, req: BenchRequest) -> RequestRecord:
         from enc2dec.engine import SamplingParams
 
-        params = SamplingParams(max_tokens=req.output_len, ignore_eos=True, temperature=0.0,
+        params = SamplingParams(max_tokens=req.output_len, ignore_eos=True, **({"temperature": 0.0} | req.sampling),
                                 use_beam_search=self.beam_width > 1, best_of=self.beam_width, n=1)
         rec = RequestRecord(start_s=time.monotonic(), input_len=req.input_len, audio_s=req.audio_s)
         try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import BenchInputError
@@ -27,6 +27,7 @@ class BenchRequest:
     output_len: int        # decoder tokens to produce, exactly
     audio_s: float = 0.0   # seconds of audio (Whisper requests)
     source: str = ""       # where it came from, for error messages: "data.jsonl line 3"
+    sampling: dict = field(default_factory=dict, hash=False)   # SamplingParams keywords ({}: greedy)
 
     @property
     def is_audio(self) -> bool:

@@ -119,6 +119,12 @@ def bench(
     streaming: Annotated[bool, _work("Stream outputs and time tokens as the client receives them.")] = False,
     beam_width: Annotated[int, _work("Beam search with K beams per request (best_of=K, n=1; each beam is a "
                                      "decoder row); baselines run num_beams=K. 1: greedy.")] = 1,
+    temperature: Annotated[OptFloat, _work("Sample with this temperature (in-process engine only; default: "
+                                           "greedy, or 1.0 when another sampling option is given).")] = None,
+    top_p: Annotated[OptFloat, _work("Sample from the smallest set of tokens with this much probability.")] = None,
+    top_k: Annotated[OptInt, _work("Sample from the K most likely tokens (0: off).")] = None,
+    sampling_seed: Annotated[OptInt, _work("Seeded sampling: request i of the workload gets seed N+i, so "
+                                           "runs repeat their tokens.")] = None,
     baseline: Annotated[Optional[list[str]], _out("hf and/or hf-compile (repeat or comma-separate): "
                                                   "transformers generate on the same requests.")] = None,
     report_json: Annotated[OptStr, _out("Write the JSON report here (rewritten after every level).")] = None,
@@ -161,6 +167,7 @@ def _options(o: dict):
         input_dist=o["input_dist"], output_dist=o["output_dist"], seed=o["seed"], dataset=o["dataset"],
         hf_dataset=hf, audio_dir=o["audio_dir"], audio_manifest=o["audio_manifest"],
         audio_seconds=o["audio_seconds"], streaming=o["streaming"], beam_width=o["beam_width"],
+        temperature=o["temperature"], top_p=o["top_p"], top_k=o["top_k"], sampling_seed=o["sampling_seed"],
         baselines=baselines, url=o["url"],
         thresholds=tuple(parse_threshold(t) for t in o["fail_under"] or []),
         command=command_line(o["ctx"], "bench"))

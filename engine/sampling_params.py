@@ -1,6 +1,7 @@
 """SamplingParams: how one request decodes (names follow TensorRT-LLM's LLM API)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -10,13 +11,17 @@ class SamplingParams:
     """Decoding settings for one request.
 
     Greedy decoding is used when ``temperature == 0`` or when none of ``temperature``,
-    ``top_k`` and ``top_p`` is set (TensorRT-LLM's rule).
+    ``top_k``, ``top_p`` and ``min_p`` is set (TensorRT-LLM's rule). Sampling applies, in
+    transformers' order, temperature, top-k, top-p (over what top-k kept) and min-p (drop
+    tokens less likely than ``min_p`` times the most likely one). A ``seed`` makes a
+    request's samples reproducible, whichever requests share its batch.
     """
 
     max_tokens: int = 32
     temperature: float | None = None
     top_k: int | None = None
     top_p: float | None = None
+    min_p: float | None = None
     seed: int | None = None
     n: int = 1
     best_of: int | None = None
@@ -43,12 +48,20 @@ class SamplingParams:
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.temperature is not None and not math.isfinite(self.temperature):
+            raise ValueError(f"temperature must be a finite number, got {self.temperature}")
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)):
+            raise ValueError(f"top_k must be an integer, got {self.top_k!r}")
         if self.temperature is not None and self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k is not None and self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.min_p is not None and not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         if self.best_of is not None and self.best_of < self.n:
@@ -78,7 +91,7 @@ class SamplingParams:
             return False
         if self.temperature == 0:
             return True
-        return self.temperature is None and self.top_k is None and self.top_p is None
+        return self.temperature is None and self.top_k is None and self.top_p is None and self.min_p is None
 
     @property
     def beam_width(self) -> int:

@@ -21,6 +21,7 @@ from enc2dec.engine.core.kv_sizing import kv_bytes_per_token, plan_kv_pools
 from enc2dec.engine.runner.loader import load_model
 from enc2dec.engine.core.request import PLACEHOLDER_TOKEN_ID
 from enc2dec.engine.runner.sampler import BeamGroup, DeviceSample, Sampler, SeqSamplingState
+from enc2dec.engine.runner.sampling_ops import stream_key
 
 logger = logging.getLogger("enc2dec")
 
@@ -274,17 +275,13 @@ class ModelRunner:
 
     def _register(self, encodes: list[ScheduledEncode]) -> None:
         for enc in encodes:
-            if enc.request_id in self.states:      # resumed after preemption: keep its RNG streams
+            if enc.request_id in self.states:      # resumed after preemption: keep its state
                 continue
             spec: SeqSamplingState = enc.sampling_params
-            per_seq = {}
-            for seq_id, index in zip(enc.seq_ids, enc.seq_indices):
-                gen = None
-                if spec.params.seed is not None and not spec.params.is_greedy:
-                    gen = torch.Generator(device=self.device)
-                    gen.manual_seed((spec.params.seed * 1_000_003 + index) & 0x7FFF_FFFF_FFFF_FFFF)
-                per_seq[seq_id] = dataclasses.replace(spec, generator=gen)
-            self.states[enc.request_id] = per_seq
+            seeded = spec.params.seed is not None and not spec.params.is_greedy
+            self.states[enc.request_id] = {
+                seq_id: dataclasses.replace(spec, stream=stream_key(spec.params.seed, index) if seeded else None)
+                for seq_id, index in zip(enc.seq_ids, enc.seq_indices)}
 
     def _run_encoder(self, encodes: list[ScheduledEncode]) -> None:
         bucket = self.encoder_graphs.pick(encodes) if self.encoder_graphs is not None else None

@@ -1,10 +1,12 @@
 """Token selection for one decoder step: logit filters, greedy / random sampling, logprobs,
 and beam search candidates.
 
-Per-request state (seeded generators, suppress lists) lives in ``SeqSamplingState``; the
-sampler builds one batched set of tensors per step. Greedy rows never touch an RNG, and
-a seeded request draws from its own generator, so its tokens do not depend on which
-other requests share the batch.
+Per-request state (seeded streams, suppress lists) lives in ``SeqSamplingState``; the
+sampler builds one batched set of tensors per step, staged through pinned memory, and
+never waits for the device: no list indexing of device tensors, no ``.item()``. Greedy
+rows never touch an RNG, and a seeded request draws from its own counter-based stream
+(``sampling_ops``), so its tokens do not depend on which other requests share the batch.
+Logits processors, Python code that may read token ids, remain the one slow path.
 """
 from __future__ import annotations
 
@@ -14,12 +16,14 @@ from dataclasses import dataclass, field
 import torch
 
 from enc2dec.engine.runner.host_to_device import to_device
+from enc2dec.engine.runner.sampling_ops import (exponential_race, filter_top_k_top_p_min_p, seeded_exponential,
+                                                unseeded_exponential)
 from enc2dec.engine.sampling_params import SamplingParams
 
 
 @functools.cache
 def _neg_inf(device: torch.device) -> torch.Tensor:
-    return torch.tensor(float("-inf"), device=device)
+    return torch.full((), float("-inf"), device=device)     # a fill kernel: torch.tensor() would copy and wait
 
 
 @dataclass
@@ -29,7 +33,7 @@ class SeqSamplingState:
     stop_token_ids: tuple[int, ...]
     suppress_token_ids: tuple[int, ...] = ()          # always masked (Whisper generation config)
     begin_suppress_token_ids: tuple[int, ...] = ()    # masked at the first generated position
-    generator: torch.Generator | None = None
+    stream: tuple[int, int] | None = None             # seeded rows: sampling_ops.stream_key
     min_tokens_mask_ids: tuple[int, ...] = field(default=())
     # Output ids so far, kept (on the host) only for requests with logits processors.
     processor_history: list[int] | None = None
@@ -86,20 +90,6 @@ def _mask_indices(states: list[SeqSamplingState], num_output_tokens: list[int]):
         rows += [r] * len(ids)
         cols += ids
     return rows, cols
-
-
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    # logits: [R, V]; top_k: [R] int (0 = off); top_p: [R] float (1.0 = off)
-    vocab = logits.shape[-1]
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).clamp(max=vocab)
-    ranks = torch.arange(vocab, device=logits.device)[None, :]
-    drop = ranks >= k[:, None]
-    probs = sorted_logits.softmax(dim=-1)
-    cum_before = probs.cumsum(dim=-1) - probs        # mass strictly before each token
-    drop |= cum_before >= top_p[:, None]
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
 
 
 @dataclass
@@ -171,7 +161,8 @@ def _record_processor_history(chosen: torch.Tensor, states: list[SeqSamplingStat
     # they need the ids on the host to decide the next step's mask.
     rows = [r for r in rows if _needs_token_ids(states[r])]
     if rows:
-        for r, token_id in zip(rows, chosen[rows].tolist()):
+        ids = chosen.index_select(0, to_device(rows, torch.long, chosen.device)).tolist()
+        for r, token_id in zip(rows, ids):
             states[r].processor_history.append(token_id)
 
 
@@ -186,7 +177,11 @@ def _beam_candidates(logits: torch.Tensor, states: list[SeqSamplingState], num_o
     # logits: [S, V] (unfiltered); beam_scores / histories: per row of the groups, in order
     dev, vocab = logits.device, logits.shape[-1]
     rows = [g.start + j for g in groups for j in range(g.num_rows)]
-    logp = logits[rows].float().log_softmax(dim=-1)                           # [R, V], a fresh tensor
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        picked = logits[rows[0]:rows[0] + len(rows)]                           # a view
+    else:
+        picked = logits.index_select(0, to_device(rows, torch.long, dev))
+    logp = picked.float().log_softmax(dim=-1)                                 # [R, V], a fresh tensor
     m_rows, m_cols = _mask_indices([states[r] for r in rows], [num_output_tokens[r] for r in rows])
     if m_rows:
         logp.index_put_(tuple(to_device((m_rows, m_cols), torch.long, dev)), _neg_inf(dev))
@@ -233,11 +228,11 @@ class Sampler:
                      and not st.params.use_beam_search]
         if processed:
             logits = _apply_logits_processors(logits, states, num_output_tokens, processed, owned=bool(rows))
-        greedy = [st.params.is_greedy or st.params.use_beam_search for st in states]   # beams: no RNG
         chosen = logits.argmax(dim=-1)                                      # [S]
-        if not all(greedy):
-            idx = [i for i, g in enumerate(greedy) if not g]
-            chosen[idx] = self._sample(logits[idx], [states[i] for i in idx])
+        sampled = [r for r, st in enumerate(states)                         # beams: no RNG
+                   if not (st.params.is_greedy or st.params.use_beam_search)]
+        if sampled:
+            chosen = self._sample(logits, chosen, states, num_output_tokens, sampled)
         if processed:
             _record_processor_history(chosen, states, processed)
         want = [st.params.logprobs for st in states]
@@ -252,26 +247,31 @@ class Sampler:
         return DeviceSample(chosen, want, chosen_lp, ids, vals)
 
     @staticmethod
-    def _sample(logits: torch.Tensor, states: list[SeqSamplingState]) -> torch.Tensor:
-        # logits: [R, V]
-        dev = logits.device
-        temp = to_device([st.params.temperature if st.params.temperature is not None else 1.0
-                          for st in states], logits.dtype, dev)
-        logits = logits / temp[:, None]
-        k_host = [st.params.top_k or 0 for st in states]
-        p_host = [st.params.top_p if st.params.top_p is not None else 1.0 for st in states]
-        if any(k > 0 for k in k_host) or any(p < 1.0 for p in p_host):   # decided on the host: no sync
-            top_k = to_device(k_host, torch.long, dev)
-            top_p = to_device(p_host, logits.dtype, dev)
-            logits = _filter_top_k_top_p(logits, top_k, top_p)
-        probs = logits.softmax(dim=-1)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; one RNG stream per seeded row.
-        noise = torch.empty_like(probs)
-        unseeded = [r for r, st in enumerate(states) if st.generator is None]
-        if unseeded:
-            noise[unseeded] = torch.empty((len(unseeded), probs.shape[1]), device=dev,
-                                          dtype=probs.dtype).exponential_()
-        for r, st in enumerate(states):
-            if st.generator is not None:
-                noise[r].exponential_(generator=st.generator)
-        return (probs / noise).argmax(dim=-1)
+    def _sample(logits: torch.Tensor, chosen: torch.Tensor, states: list[SeqSamplingState],
+                num_output_tokens: list[int], rows: list[int]) -> torch.Tensor:
+        """``chosen`` with ``rows`` (those that sample) replaced by random draws."""
+        # logits: [S, V]; chosen: [S] int64
+        dev, vocab = logits.device, logits.shape[-1]
+        seeded = [r for r in rows if states[r].stream is not None]
+        order = seeded + [r for r in rows if states[r].stream is None]     # seeded rows first
+        whole = order == list(range(logits.shape[0]))
+        idx = None if whole else to_device(order, torch.long, dev)
+        sub = logits if whole else logits.index_select(0, idx)                 # [R, V]
+        # Every row's parameters in two staged copies per step.
+        p = [states[r].params for r in order]
+        floats = to_device([[x.temperature if x.temperature is not None else 1.0,
+                             x.top_p if x.top_p is not None else 1.0, x.min_p or 0.0] for x in p],
+                           torch.float32, dev)                                 # [R, 3]
+        ints = to_device([[x.top_k or 0, *(states[r].stream or (0, 0)), num_output_tokens[r]]
+                          for x, r in zip(p, order)], torch.long, dev)         # [R, 4]
+        sub = sub.float() / floats[:, :1]
+        if any(x.top_k or x.top_p not in (None, 1.0) or x.min_p for x in p):   # decided on the host
+            sub = filter_top_k_top_p_min_p(sub, ints[:, 0], floats[:, 1], floats[:, 2])
+        probs = sub.softmax(dim=-1)                                            # [R, V]
+        parts = []
+        if seeded:
+            parts.append(seeded_exponential(ints[:len(seeded), 1:], vocab))
+        if len(order) > len(seeded):
+            parts.append(unseeded_exponential(len(order) - len(seeded), vocab, dev))
+        drawn = exponential_race(probs, parts[0] if len(parts) == 1 else torch.cat(parts))   # [R]
+        return drawn if whole else chosen.index_copy(0, idx, drawn)

@@ -1,0 +1,98 @@
+"""The sampling step never waits for the GPU: run under CUDA's sync debug mode, which raises on
+any blocking copy or stream synchronisation. Run on a GPU with `pytest -m gpu`."""
+import pytest
+import torch
+
+from enc2dec.engine import LLM, KvCacheConfig, SamplingParams
+from enc2dec.engine.runner.sampler import BeamGroup, Sampler, SeqSamplingState
+from enc2dec.engine.runner.sampling_ops import stream_key
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+EOS, STOP, VOCAB = 1, 7, 32128
+
+
+def _state(seed=None, index=0, **params) -> SeqSamplingState:
+    p = SamplingParams(seed=seed, **params)
+    return SeqSamplingState(p, (EOS,), tuple(p.stop_token_ids or ()), suppress_token_ids=(3,),
+                            stream=stream_key(seed, index) if seed is not None and not p.is_greedy else None)
+
+
+BEAM = _state(use_beam_search=True, best_of=2, temperature=0.0)
+# greedy, sampled, seeded, min_tokens and stop-token rows, with logprobs, then two beams
+STATES = [_state(temperature=0.0), _state(temperature=0.8, top_p=0.9), _state(seed=11, temperature=1.0, top_k=50),
+          _state(seed=12, min_p=0.05, logprobs=2), _state(temperature=0.0, min_tokens=4, max_tokens=8),
+          _state(seed=13, temperature=0.7, min_tokens=4, max_tokens=8, stop_token_ids=[STOP]),
+          _state(temperature=1.0, stop_token_ids=[STOP], logprobs=0), BEAM, BEAM]
+NUM_OUT = [0, 3, 1, 2, 1, 2, 5, 1, 1]
+
+
+def _step(sampler, logits):
+    sample = sampler.sample(logits, STATES, NUM_OUT, [BeamGroup(7, 2, 4)], [-0.5, -0.7], [None, None])
+    sample = sample.to_host(non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return sample, event
+
+
+def test_sampling_step_does_not_sync_with_the_host():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(len(STATES), VOCAB, device="cuda", generator=gen)          # [S, V]
+    logits[:, EOS] = logits[:, STOP] = 30.0                                          # tempting everyone to stop
+    sampler = Sampler()
+    _step(sampler, logits)[1].synchronize()      # warm-up: lazy CUDA init and cached constants may sync once
+    torch.cuda.synchronize()
+    # Queue heavy work first: a step that waited for the GPU would block behind it.
+    busy = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(20):
+            busy = busy @ busy / 64
+        sample, event = _step(sampler, logits)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    event.synchronize()
+    out = sample.output()
+    ids = out.token_ids
+    assert ids[0] == EOS and ids[4] != EOS and ids[5] not in (EOS, STOP)       # min_tokens masks the stop ids
+    assert all(t != 3 for t in ids)                                            # the suppressed token
+    assert out.logprobs is not None and set(out.top_logprobs[3]) >= {ids[3]} and len(out.beams) == 1
+    again, event = _step(sampler, logits)
+    event.synchronize()
+    assert again.output().token_ids[2:4] == ids[2:4]                            # seeded rows repeat
+
+
+def test_engine_steps_with_overlap_sample_without_syncing(t5_relu):
+    """The real engine's sampler calls, with its states and overlap on, run under the debug mode
+    (only they: the rest of the step is not this test's subject)."""
+    kv = KvCacheConfig(cross_kv_cache_fraction=0.5, free_gpu_memory_fraction=0.2)
+    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, ignore_eos=True),   # fixed length:
+              # the batch shapes, and so the bf16 logits, repeat from run to run
+              SamplingParams(max_tokens=12, temperature=1.0, top_k=20, seed=3, n=2, min_tokens=5),
+              SamplingParams(max_tokens=12, min_p=0.1, seed=4, stop_token_ids=[5], logprobs=1)]
+    prompts = [f"prompt number {i}" for i in range(len(params))]
+    with LLM(t5_relu, dtype="bfloat16", max_batch_size=8, kv_cache_config=kv) as llm:
+        assert llm.engine.overlap
+        first = llm.generate(prompts, params, use_tqdm=False)          # warm-up
+        runner = llm.engine.runner
+        inner, calls = runner.sampler.sample, []
+
+        def strict_sample(*args, **kwargs):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                out = inner(*args, **kwargs)
+                calls.append(len(args[1]))
+                return out
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+        runner.sampler.sample = strict_sample
+        try:
+            second = llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            runner.sampler.sample = inner
+    assert calls and max(calls) > 1                                    # rows of several kinds sampled together
+    assert [o.token_ids for o in second[2].outputs] == [o.token_ids for o in first[2].outputs]
+    assert second[3].outputs[0].token_ids == first[3].outputs[0].token_ids
+    assert second[0].outputs[0].token_ids == first[0].outputs[0].token_ids
