@@ -78,7 +78,10 @@ def _check_int_list(owner: str, name: str, value):
 
 @dataclass(frozen=True)
 class KvCacheConfig:
-    """Both KV pools. ``cross_kv_cache_fraction`` is required for encoder-decoder models."""
+    """Both KV pools. ``cross_kv_cache_fraction`` is required for encoder-decoder models.
+
+    This engine has one block manager (``engine/core/block_manager.py``); ``use_kv_cache_manager_v2``
+    is accepted so TensorRT-LLM configs load, and brings only V2's rule ``max_beam_width=1``."""
 
     free_gpu_memory_fraction: float = 0.9
     cross_kv_cache_fraction: float | None = None
@@ -156,12 +159,12 @@ class TuningConfig:
 
     def with_env(self, environ) -> "TuningConfig":
         """This config with every ``TUNING_ENV`` variable set in ``environ`` applied."""
-        changes = {}
+        changes, defaults = {}, TuningConfig()
         for name, var in TUNING_ENV.items():
             raw = environ.get(var)
             if raw is None:
                 continue
-            kind = type(getattr(TuningConfig(), name))
+            kind = type(getattr(defaults, name))
             try:
                 if kind is bool:
                     if raw not in ("0", "1"):
