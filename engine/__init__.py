@@ -2,7 +2,8 @@
 
     from enc2dec.engine import LLM, SamplingParams, KvCacheConfig
 """
-from enc2dec.engine.config import CudaGraphConfig, EncodeCudaGraphConfig, KvCacheConfig, LlmArgs, SchedulerConfig
+from enc2dec.engine.config import (CudaGraphConfig, EncodeCudaGraphConfig, KvCacheConfig, LlmArgs, SchedulerConfig,
+                                   TuningConfig)
 from enc2dec.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from enc2dec.engine.sampling_params import SamplingParams
 
@@ -18,5 +19,5 @@ def __getattr__(name):
 
 __all__ = [
     "LLM", "RequestHandle", "SamplingParams", "KvCacheConfig", "SchedulerConfig", "CudaGraphConfig",
-    "EncodeCudaGraphConfig", "LlmArgs", "RequestOutput", "CompletionOutput", "RequestMetrics",
+    "EncodeCudaGraphConfig", "TuningConfig", "LlmArgs", "RequestOutput", "CompletionOutput", "RequestMetrics",
 ]

@@ -3,11 +3,19 @@
 The field names are TensorRT-LLM's LLM API names, so the same keys work as ``LLM(...)``
 keyword arguments and in the YAML file that ``serve``, ``bench`` and ``eval`` accept.
 Unknown keys and invalid values raise ``ValueError`` naming the key and what is valid.
+Options TensorRT-LLM has but this engine cannot honour are rejected when set to anything but
+their default, never accepted and ignored.
+
+``tuning`` (``TuningConfig``) holds this engine's own performance knobs. Each can also be set
+by an environment variable (``TUNING_ENV``), which wins over the config: ``LlmArgs`` resolves
+them when it is built, so ``dataclasses.asdict(args)`` (what bench reports record) shows the
+values the engine runs with.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,7 +78,10 @@ def _check_int_list(owner: str, name: str, value):
 
 @dataclass(frozen=True)
 class KvCacheConfig:
-    """Both KV pools. ``cross_kv_cache_fraction`` is required for encoder-decoder models."""
+    """Both KV pools. ``cross_kv_cache_fraction`` is required for encoder-decoder models.
+
+    This engine has one block manager (``engine/core/block_manager.py``); ``use_kv_cache_manager_v2``
+    is accepted so TensorRT-LLM configs load, and brings only V2's rule ``max_beam_width=1``."""
 
     free_gpu_memory_fraction: float = 0.9
     cross_kv_cache_fraction: float | None = None
@@ -96,14 +107,75 @@ class KvCacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
+    """The scheduler is the one in ``engine/core/scheduler.py`` (Python, FCFS admission with a
+    step of KV headroom, preemption by recompute when the self pool runs short); these keys
+    exist so TensorRT-LLM configs load, and only their defaults are accepted."""
+
     use_python_scheduler: bool = True
     capacity_scheduler_policy: str = "GUARANTEED_NO_EVICT"
 
     def __post_init__(self):
-        valid = ("GUARANTEED_NO_EVICT", "MAX_UTILIZATION")
-        if self.capacity_scheduler_policy not in valid:
+        if self.use_python_scheduler is not True:
+            raise ValueError(f"scheduler_config.use_python_scheduler={self.use_python_scheduler!r} is not "
+                             "supported: this engine has only the Python scheduler; set it to true")
+        if self.capacity_scheduler_policy == "MAX_UTILIZATION":
+            raise ValueError("scheduler_config.capacity_scheduler_policy='MAX_UTILIZATION' is not supported: "
+                             "the scheduler has one policy (first come, first served, one step of KV headroom, "
+                             "preemption of the newest request when the pool runs short); valid: "
+                             "GUARANTEED_NO_EVICT")
+        if self.capacity_scheduler_policy != "GUARANTEED_NO_EVICT":
             raise ValueError(f"scheduler_config.capacity_scheduler_policy={self.capacity_scheduler_policy!r} "
-                             f"is not valid; valid: {', '.join(valid)}")
+                             "is not valid; valid: GUARANTEED_NO_EVICT")
+
+
+# TuningConfig field -> the environment variable that overrides it.
+TUNING_ENV = {
+    "skinny_gemm": "ENC2DEC_SKINNY_GEMM",
+    "fused_gemv": "ENC2DEC_FUSED_GEMV",
+    "attn_min_keys_per_split": "ENC2DEC_ATTN_MIN_KEYS_PER_SPLIT",
+    "tp_timeout_s": "ENC2DEC_TP_TIMEOUT_S",
+}
+
+
+@dataclass(frozen=True)
+class TuningConfig:
+    """Performance knobs of this engine (no TensorRT-LLM equivalent); the defaults are the
+    measured best (docs/benchmarks.md). Results do not depend on them, only speed does."""
+
+    skinny_gemm: bool = True              # one-row decode projections through the skinny GEMV (CUDA, triton)
+    fused_gemv: bool = True               # pre-norms, MLP activations and K/V stores ride in that GEMV
+    attn_min_keys_per_split: int = 32     # fewest keys a split-K paged-attention program gets
+    tp_timeout_s: float = 600.0           # longest wait of a tensor-parallel collective or worker start-up
+
+    def __post_init__(self):
+        o = "tuning"
+        for name in ("skinny_gemm", "fused_gemv"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{o}.{name} must be true or false, got {getattr(self, name)!r}")
+        _check_positive_int(o, "attn_min_keys_per_split", self.attn_min_keys_per_split)
+        t = self.tp_timeout_s
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0:
+            raise ValueError(f"{o}.tp_timeout_s must be a number of seconds > 0, got {t!r}")
+
+    def with_env(self, environ) -> "TuningConfig":
+        """This config with every ``TUNING_ENV`` variable set in ``environ`` applied."""
+        changes, defaults = {}, TuningConfig()
+        for name, var in TUNING_ENV.items():
+            raw = environ.get(var)
+            if raw is None:
+                continue
+            kind = type(getattr(defaults, name))
+            try:
+                if kind is bool:
+                    if raw not in ("0", "1"):
+                        raise ValueError
+                    changes[name] = raw == "1"
+                else:
+                    changes[name] = kind(raw)
+            except ValueError:
+                raise ValueError(f"{var}={raw!r} (tuning.{name}) is not valid; expected "
+                                 f"{'0 or 1' if kind is bool else 'a number'}") from None
+        return dataclasses.replace(self, **changes) if changes else self
 
 
 @dataclass(frozen=True)
@@ -158,6 +230,7 @@ _NESTED = {
     "scheduler_config": SchedulerConfig,
     "cuda_graph_config": CudaGraphConfig,
     "encoder_cuda_graph_config": EncodeCudaGraphConfig,
+    "tuning": TuningConfig,
 }
 
 
@@ -183,6 +256,7 @@ class LlmArgs:
     cuda_graph_config: CudaGraphConfig | None = field(default_factory=lambda: CudaGraphConfig(enable_padding=True))
     encoder_cuda_graph_config: EncodeCudaGraphConfig | None = field(
         default_factory=lambda: EncodeCudaGraphConfig(enable_padding=True))
+    # False: a step that encodes new requests runs its decoder half eagerly (graphs elsewhere).
     enable_encoder_decoder_mixed_cuda_graph: bool = True
     disable_overlap_scheduler: bool = False
     enable_chunked_prefill: bool = False
@@ -192,8 +266,9 @@ class LlmArgs:
     context_parallel_size: int = 1
     enable_attention_dp: bool = False
     load_format: str = "auto"
-    trust_remote_code: bool = False
+    trust_remote_code: bool = False       # passed to transformers' config and tokenizer loading
     seed: int = 0
+    tuning: TuningConfig = field(default_factory=TuningConfig)
 
     def __post_init__(self):
         for name, cls in _NESTED.items():
@@ -202,7 +277,13 @@ class LlmArgs:
                 object.__setattr__(self, name, _from_dict(cls, value, name))
             elif value is not None and not isinstance(value, cls):
                 raise ValueError(f"{name} must be a {cls.__name__} or a mapping, got {type(value).__name__}")
-        if self.backend not in ("pytorch", "_autodeploy"):
+        if self.tuning is None:
+            raise ValueError("tuning must be a TuningConfig or a mapping (omit it for the defaults), got None")
+        object.__setattr__(self, "tuning", self.tuning.with_env(os.environ))
+        for name in ("enable_encoder_decoder_mixed_cuda_graph", "trust_remote_code"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.backend != "pytorch":
             raise ValueError(f"backend={self.backend!r} is not supported; valid: pytorch")
         if self.attn_backend != "auto":
             canonical_backend_name(self.attn_backend)   # raises naming the valid choices

@@ -93,7 +93,7 @@ class _Tracked:
 class EngineCore:
     def __init__(self, args: LlmArgs):
         self.args = args
-        src = resolve_model(args.model, args.tokenizer, args.load_format)
+        src = resolve_model(args.model, args.tokenizer, args.load_format, args.trust_remote_code)
         self.hf_config = src.hf_config
         self.tokenizer = src.tokenizer
         self.is_whisper = src.hf_config.model_type == "whisper"

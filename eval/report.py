@@ -2,6 +2,7 @@
 docs/eval.md), per-row outputs, the Rich summary table, and the progress display."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -86,7 +87,8 @@ def build_report(*, opts, args, data, bad, rows, device, dtype, attn_backend, de
         "versions": _versions(),
         "engine": {"device": str(device), "device_name": _device_name(device),
                    "dtype": str(dtype).replace("torch.", ""), "max_batch_size": args.max_batch_size,
-                   "attn_backend": attn_backend, "load_format": args.load_format, "config": opts.config},
+                   "attn_backend": attn_backend, "load_format": args.load_format, "config": opts.config,
+                   "tuning": dataclasses.asdict(args.tuning)},
         "data": {"source": data.description, "source_field": data.source_field,
                  "target_field": data.target_field, "limit": opts.data.limit, "num_rows": data.num_rows,
                  "num_used": len(rows), "num_bad": len(bad), "bad_by_kind": summarize_bad(bad),

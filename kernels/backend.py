@@ -18,14 +18,15 @@ import torch
 import torch.nn.functional as F
 
 from .kv_store import store_kv
-from .paged_attention import paged_attention, pick_num_splits
+from .paged_attention import MIN_KEYS_PER_SPLIT, paged_attention, pick_num_splits
 from .reference import token_seq_index
 
 
 class TritonAttentionBackend:
     name = "triton"
 
-    def __init__(self):
+    def __init__(self, min_keys_per_split: int = MIN_KEYS_PER_SPLIT):
+        self.min_keys_per_split = min_keys_per_split     # split-K floor of the paged kernel (tuning)
         self._enc_prep = None     # (meta, bias_table, dtype, prepared): one encoder forward's masks
 
     def encoder_attention(self, q, k, v, meta, scale: float,
@@ -81,12 +82,14 @@ class TritonAttentionBackend:
     def self_attention(self, q, k_cache, v_cache, meta, scale: float,
                        bias_table: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention of the new tokens q [N, H, D] over their sequences' paged K/V."""
-        splits = pick_num_splits(q.shape[0], q.shape[1], max(meta.seq_lens_host, default=0), q.device)
+        splits = pick_num_splits(q.shape[0], q.shape[1], max(meta.seq_lens_host, default=0), q.device,
+                                 self.min_keys_per_split)
         return paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                                scale, causal=True, bias_table=bias_table, num_splits=splits)
 
     def cross_attention(self, q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
         """Attention of q [N, H, D] over each request's encoder K/V (no mask beyond enc_len)."""
-        splits = pick_num_splits(q.shape[0], q.shape[1], max(meta.enc_lens_host, default=0), q.device)
+        splits = pick_num_splits(q.shape[0], q.shape[1], max(meta.enc_lens_host, default=0), q.device,
+                                 self.min_keys_per_split)
         return paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.enc_lens,
                                meta.cross_block_tables, scale, causal=False, num_splits=splits)

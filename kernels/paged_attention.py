@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 
@@ -29,10 +28,10 @@ tl = None  # triton.language, bound by lazy_jit at the first launch (annotations
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 16
-# Fewest keys a split gets. In a CUDA graph the split count is fixed at capture from the
-# longest sequence the graph admits, so small batches of short sequences still pay the split
-# and merge; ENC2DEC_ATTN_MIN_KEYS_PER_SPLIT trades that against long sequences (tuning knob).
-_MIN_KEYS_PER_SPLIT = int(os.environ.get("ENC2DEC_ATTN_MIN_KEYS_PER_SPLIT", "32"))
+# Fewest keys a split gets, by default. In a CUDA graph the split count is fixed at capture
+# from the longest sequence the graph admits, so small batches of short sequences still pay
+# the split and merge; ``tuning.attn_min_keys_per_split`` trades that against long sequences.
+MIN_KEYS_PER_SPLIT = 32
 _PROGRAMS_PER_SM = 16
 
 
@@ -173,15 +172,17 @@ def launch_config(block_d: int) -> tuple[int, int, int]:
     return max(8, min(128, 1024 // block_d)), 1, 2
 
 
-def pick_num_splits(num_tokens: int, num_heads: int, max_kv_len: int, device: torch.device) -> int:
+def pick_num_splits(num_tokens: int, num_heads: int, max_kv_len: int, device: torch.device,
+                    min_keys_per_split: int = MIN_KEYS_PER_SPLIT) -> int:
     """Split-K until there are about ``_PROGRAMS_PER_SM`` programs per SM (or the keys run out).
 
-    Host-side: ``max_kv_len`` comes from the metadata's host lists. A power of two, so few
+    Host-side: ``max_kv_len`` comes from the metadata's host lists; each split gets at least
+    ``min_keys_per_split`` keys. A power of two, so few
     kernel variants get compiled. Measured best on an H200: T5-large self c=64 (1024
     token-heads, 256 keys) 4 splits; Whisper cross c=64 (1280, 1500 keys) 2; c=8 16.
     """
     want = math.ceil(_PROGRAMS_PER_SM * _num_sms(device) / max(1, num_tokens * num_heads))
-    by_len = math.ceil(max_kv_len / _MIN_KEYS_PER_SPLIT)
+    by_len = math.ceil(max_kv_len / min_keys_per_split)
     return _next_pow2(max(1, min(want, by_len, _MAX_SPLITS)))
 
 

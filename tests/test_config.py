@@ -5,7 +5,8 @@ import textwrap
 
 import pytest
 
-from enc2dec.engine import KvCacheConfig, LlmArgs, SamplingParams
+from enc2dec.engine import KvCacheConfig, LlmArgs, SamplingParams, TuningConfig
+from enc2dec.engine.config import TUNING_ENV
 
 
 def test_unknown_key_names_it_and_suggests():
@@ -114,3 +115,102 @@ def test_kv_cache_config_rejects_block_reuse():
 def test_config_import_does_not_pull_torch():
     code = "import sys; import enc2dec.engine as e; e.LlmArgs(); assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("data, pattern", [
+    ({"scheduler_config": {"capacity_scheduler_policy": "MAX_UTILIZATION"}},
+     "capacity_scheduler_policy='MAX_UTILIZATION' is not supported.*valid: GUARANTEED_NO_EVICT"),
+    ({"scheduler_config": {"use_python_scheduler": False}}, "use_python_scheduler=False is not supported"),
+    ({"backend": "_autodeploy"}, "backend='_autodeploy' is not supported; valid: pytorch"),
+    ({"tuning": {"attn_min_keys_per_split": 0}}, "tuning.attn_min_keys_per_split must be an integer >= 1"),
+    ({"tuning": {"tp_timeout_s": -1}}, "tuning.tp_timeout_s must be a number of seconds > 0"),
+    ({"tuning": {"fused_gemv": "no"}}, "tuning.fused_gemv must be true or false"),
+    ({"tuning": {"fused_gemm": False}}, "unknown tuning key 'fused_gemm'.*'fused_gemv'"),
+    ({"trust_remote_code": "yes"}, "trust_remote_code must be true or false"),
+])
+def test_options_that_cannot_be_honoured_are_rejected(data, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        LlmArgs.from_dict(data)
+
+
+def test_tuning_from_yaml_and_env_overrides_land_in_the_args(tmp_path, monkeypatch):
+    import dataclasses
+
+    path = tmp_path / "c.yaml"
+    path.write_text("tuning:\n  fused_gemv: false\n  attn_min_keys_per_split: 256\n")
+    for var in TUNING_ENV.values():
+        monkeypatch.delenv(var, raising=False)
+    args = LlmArgs.from_yaml(str(path))
+    assert args.tuning == TuningConfig(fused_gemv=False, attn_min_keys_per_split=256)
+    monkeypatch.setenv("ENC2DEC_SKINNY_GEMM", "0")
+    monkeypatch.setenv("ENC2DEC_TP_TIMEOUT_S", "30")
+    tuning = dataclasses.asdict(LlmArgs.from_yaml(str(path)))["tuning"]     # what reports record
+    assert tuning == {"skinny_gemm": False, "fused_gemv": False, "attn_min_keys_per_split": 256,
+                      "tp_timeout_s": 30.0}
+    monkeypatch.setenv("ENC2DEC_FUSED_GEMV", "off")
+    with pytest.raises(ValueError, match=r"ENC2DEC_FUSED_GEMV='off' \(tuning.fused_gemv\) is not valid"):
+        LlmArgs()
+
+
+def test_mixed_steps_replay_decoder_graphs_only_when_enabled():
+    from types import SimpleNamespace
+
+    from enc2dec.engine.runner.model_runner import ModelRunner
+
+    class Graphs:
+        def can_run(self, seqs):
+            return True
+
+    mixed = SimpleNamespace(encodes=["new request"], seqs=["running seq"])
+    decode_only = SimpleNamespace(encodes=[], seqs=["running seq"])
+    for enabled in (True, False):
+        runner = SimpleNamespace(graphs=Graphs(), args=LlmArgs(enable_encoder_decoder_mixed_cuda_graph=enabled))
+        assert ModelRunner._can_replay(runner, mixed) is enabled
+        assert ModelRunner._can_replay(runner, decode_only) is True
+
+
+def _custom_config_folder(tmp_path):
+    folder = tmp_path / "custom"
+    folder.mkdir()
+    (folder / "configuration_custom.py").write_text(textwrap.dedent("""\
+        from transformers import T5Config
+
+
+        class CustomT5Config(T5Config):
+            pass
+        """))
+    (folder / "config.json").write_text(
+        '{"model_type": "t5", "d_model": 32, "d_ff": 64, "num_layers": 1, "num_heads": 2, "d_kv": 16,'
+        ' "vocab_size": 64, "decoder_start_token_id": 0, "auto_map": {"AutoConfig": "configuration_custom.CustomT5Config"}}')
+    return str(folder)
+
+
+def test_trust_remote_code_lets_transformers_run_the_checkpoint_config_code(tmp_path):
+    from enc2dec.engine.inputs.model_source import resolve_model
+
+    folder = _custom_config_folder(tmp_path)
+    assert type(resolve_model(folder, trust_remote_code=True).hf_config).__name__ == "CustomT5Config"
+    assert type(resolve_model(folder).hf_config).__name__ == "T5Config"
+
+
+def test_bench_report_records_the_tuning_in_effect(tmp_path, monkeypatch):
+    import json
+
+    from enc2dec.cli.main import app
+    from transformers import T5Config
+    from typer.testing import CliRunner
+
+    model = tmp_path / "tiny_t5"
+    T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16, vocab_size=128, decoder_start_token_id=0,
+             eos_token_id=1, pad_token_id=0).save_pretrained(model)
+    config, out = tmp_path / "c.yaml", tmp_path / "r.json"
+    config.write_text("tuning: {attn_min_keys_per_split: 64}\n")
+    for var in TUNING_ENV.values():
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("ENC2DEC_FUSED_GEMV", "0")
+    r = CliRunner().invoke(app, ["bench", "--quiet", "--load-format", "dummy", "--model", str(model),
+                                 "--config", str(config), "--concurrency", "1", "--num-requests", "1",
+                                 "--input-len", "4", "--output-len", "2", "--report-json", str(out)])
+    assert r.exit_code == 0, r.output
+    assert json.loads(out.read_text())["engine_args"]["tuning"] == {
+        "skinny_gemm": True, "fused_gemv": False, "attn_min_keys_per_split": 64, "tp_timeout_s": 600.0}

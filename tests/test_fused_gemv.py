@@ -1,14 +1,13 @@
 """The fused decode GEMV end to end, on the CPU through Triton's interpreter (TRITON_INTERPRET=1,
 set by conftest): with every pre-norm deferred into the skinny GEMV that reads it
 (``kernels/skinny_gemm.Prologue``) and every MLP activation done in the GEMV before it
-(``engine/runner/fast_linear.py``), one request decodes the same greedy tokens as the separate
+(``engine/runner/fast_linear.py`` rewrites the model's modules), one request decodes the same greedy tokens as the separate
 kernels, for every family, and the fusions really run."""
 import numpy as np
 import pytest
 
 from enc2dec.engine import LLM, KvCacheConfig, SamplingParams
 from enc2dec.engine.runner import fast_linear
-from enc2dec.engine.models import layers
 from enc2dec.kernels.skinny_gemm import Prologue
 
 pytest.importorskip("triton")
@@ -38,8 +37,7 @@ def test_fused_norms_and_activations_decode_the_same_tokens(family, request, mon
             kinds.extend(["kv store"] if kwargs.get("kv_store") else [])
             return kernel(x, *args, **kwargs)
 
-        monkeypatch.setattr(fast_linear, "skinny_linear", spy)       # the projections
-        monkeypatch.setattr(layers, "skinny_linear", spy)            # the MLPs' first GEMV, q|k|v + store
+        monkeypatch.setattr(fast_linear, "skinny_linear", spy)       # projections, MLPs' first GEMV, q|k|v + store
         fused = llm.generate(_request(family), params, use_tqdm=False).outputs[0].token_ids
     assert fused == plain
     expected = {"t5_relu": {"rms", "relu"}, "flan_t5": {"rms", "gelu_tanh"}, "bart": {"gelu"},  # post-norm: no norms

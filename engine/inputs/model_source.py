@@ -43,7 +43,7 @@ def _generation_config(path, hf_config):
     return GenerationConfig.from_model_config(hf_config)
 
 
-def _tokenizer(tokenizer, path):
+def _tokenizer(tokenizer, path, trust_remote_code: bool = False):
     if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
         return tokenizer
     from transformers import AutoTokenizer
@@ -52,7 +52,7 @@ def _tokenizer(tokenizer, path):
     if source is None:
         return None
     try:
-        return AutoTokenizer.from_pretrained(source)
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
     except Exception as e:  # noqa: BLE001 - tokenizers fail in many ways; text prompts then need one
         if tokenizer is not None:
             raise ValueError(f"cannot load the tokenizer from {tokenizer}: {e}") from None
@@ -71,7 +71,9 @@ def _feature_extractor(path, hf_config):
     return WhisperFeatureExtractor(feature_size=hf_config.num_mel_bins)
 
 
-def resolve_model(model: str, tokenizer=None, load_format: str = "auto") -> ModelSource:
+def resolve_model(model: str, tokenizer=None, load_format: str = "auto", trust_remote_code: bool = False) -> ModelSource:
+    """``trust_remote_code`` lets transformers run a checkpoint's own config and tokenizer code
+    (its model code is never run: the model classes are this engine's)."""
     from transformers import AutoConfig
 
     from enc2dec.engine.inputs.known_configs import KNOWN_MODELS, get_known_config, get_known_generation_config
@@ -81,13 +83,13 @@ def resolve_model(model: str, tokenizer=None, load_format: str = "auto") -> Mode
         if not os.path.exists(os.path.join(model, "config.json")):
             raise ValueError(f"{model} is a folder without config.json; point at a Hugging Face checkpoint folder")
         path = model
-        hf_config = AutoConfig.from_pretrained(model)
+        hf_config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
     elif load_format == "dummy" and model in KNOWN_MODELS:
         hf_config = get_known_config(model)
         gen = get_known_generation_config(model)
     else:
         try:
-            hf_config = AutoConfig.from_pretrained(model)
+            hf_config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
         except Exception as e:  # noqa: BLE001 - hub errors are many; the message is what matters
             known = ", ".join(KNOWN_MODELS)
             raise ValueError(f"cannot load model {model!r}: not a local folder, and the hub gave: {e}. "
@@ -97,7 +99,7 @@ def resolve_model(model: str, tokenizer=None, load_format: str = "auto") -> Mode
 
             path = snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.bin", "*.model",
                                                             "*.txt", "*.tiktoken"])
-    tok = _tokenizer(tokenizer, path)
+    tok = _tokenizer(tokenizer, path, trust_remote_code)
     gen = gen or _generation_config(path, hf_config)
     fe = _feature_extractor(path, hf_config) if hf_config.model_type == "whisper" else None
     return ModelSource(path, hf_config, gen, tok, fe)

@@ -64,14 +64,6 @@ class DecoderMetadata:
     enc_lens_host: list[int]
     last_token_indices: torch.Tensor  # [S] int64: index into the N tokens of each sequence's last token
 
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seq_lens_host)
-
-    @property
-    def is_pure_decode(self) -> bool:
-        return all(q == 1 for q in self.query_lens_host)
-
 
 @dataclass
 class LayerKV:
@@ -176,9 +168,10 @@ class TorchAttentionBackend:
         return out
 
 
-def get_attention_backend(name: str):
+def get_attention_backend(name: str, min_keys_per_split: int = 32):
+    """``min_keys_per_split``: the triton backend's split-K floor (``TuningConfig``)."""
     name = canonical_backend_name(name)
     if name == "torch":
         return TorchAttentionBackend()
     from enc2dec.kernels.backend import TritonAttentionBackend  # lazy: triton is optional
-    return TritonAttentionBackend()
+    return TritonAttentionBackend(min_keys_per_split)

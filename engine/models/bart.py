@@ -43,14 +43,6 @@ class _Sublayers(nn.Module):
         super().__init__()
         self.pre_norm = pre_norm
 
-    def gemv_fed_norms(self):
-        """Pre-norms only feed the next projection (fast_linear may fuse them); post-norm
-        outputs are also the residual stream and never defer."""
-        if not self.pre_norm:
-            return []
-        return [n for n in (self.self_attn_layer_norm, getattr(self, "encoder_attn_layer_norm", None),
-                            self.final_layer_norm) if n is not None]
-
     def sublayers(self, h: torch.Tensor, delta: torch.Tensor | None, steps) -> tuple[torch.Tensor | None, torch.Tensor]:
         # steps: [(norm, fn)] in order
         if not self.pre_norm:

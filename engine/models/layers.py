@@ -10,6 +10,11 @@ projections into a block are column-parallel (each rank computes its own heads o
 intermediate units, fused shards split per rank), the projection out of it is
 row-parallel (partial sums, one all-reduce per block). ``tp_dims`` tells the loader which
 dimension of a checkpoint tensor to slice for this rank.
+
+Everything here is the plain math on any device. The GPU kernels (Triton add+norm and
+gated-gelu, the one-row skinny GEMV and what rides in it) are applied from outside by
+``engine/runner/fast_norms.py`` and ``engine/runner/fast_linear.py``, which give modules a
+subclass whose forward calls the kernel.
 """
 from __future__ import annotations
 
@@ -21,37 +26,25 @@ from torch import nn
 
 from enc2dec.engine.models.attention import DecoderMetadata, EncoderMetadata, LayerKV
 from enc2dec.engine.parallel.distributed import SINGLE, TensorParallelGroup
-from enc2dec.kernels.activations import gated_gelu
-from enc2dec.kernels.norms import fused_add_layer_norm, fused_add_rms_norm
-from enc2dec.kernels.skinny_gemm import Prologue, skinny_linear
 
-_gelu_tanh = functools.partial(F.gelu, approximate="tanh")
+gelu_tanh = functools.partial(F.gelu, approximate="tanh")
 
 # HF activation names -> functions. gelu_new / gelu_fast are the tanh approximation.
 ACTIVATIONS = {
     "relu": F.relu,
     "gelu": F.gelu,
-    "gelu_new": _gelu_tanh,
-    "gelu_fast": _gelu_tanh,
-    "gelu_pytorch_tanh": _gelu_tanh,
+    "gelu_new": gelu_tanh,
+    "gelu_fast": gelu_tanh,
+    "gelu_pytorch_tanh": gelu_tanh,
     "silu": F.silu,
     "swish": F.silu,
 }
-
-
-# Activations the skinny GEMV can apply to its output (kernels/skinny_gemm.py).
-_GEMV_ACTS = {F.relu: "relu", F.gelu: "gelu", _gelu_tanh: "gelu_tanh"}
 
 
 def get_activation(name: str, option: str = "activation_function"):
     if name not in ACTIVATIONS:
         raise ValueError(f"{option}={name!r} is not supported; valid: {', '.join(ACTIVATIONS)}")
     return ACTIVATIONS[name]
-
-
-def _one_row(x: torch.Tensor | Prologue) -> bool:
-    shape = x.shape
-    return len(shape) >= 1 and shape[-1] > 0 and all(d == 1 for d in shape[:-1])
 
 
 def clamp_fp16(h: torch.Tensor) -> torch.Tensor:
@@ -62,30 +55,14 @@ def clamp_fp16(h: torch.Tensor) -> torch.Tensor:
     return h.clamp(-limit, limit)
 
 
-class _GemvFusable:
-    """A norm whose output only ever feeds one linear layer (or an MLP's first one).
-    ``engine/runner/fast_linear.py`` sets ``into_gemv`` where that layer runs the skinny GEMV: a
-    one-row call then returns a ``Prologue`` the GEMV computes as it loads its input (one
-    launch fewer per norm), and the new residual, which that GEMV writes. Only the models mark such norms
-    (``gemv_fed_norms``): a norm whose output is also the residual (post-norm BART) or goes
-    elsewhere (final norms) never defers."""
-
-    into_gemv = False
-    norm_kind = ""
-
-    def _deferred(self, x: torch.Tensor, residual: torch.Tensor | None):
-        pro = Prologue(x, residual, norm=self.norm_kind, norm_weight=self.weight,
-                       norm_bias=getattr(self, "bias", None), eps=self.eps)
-        return pro, (x if residual is None else pro.res_out)
-
-    def _defers(self, x: torch.Tensor) -> bool:
-        return self.into_gemv and x.dtype != torch.float16 and _one_row(x)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(weight.dtype)
 
 
-class RMSNorm(_GemvFusable, nn.Module):
+class RMSNorm(nn.Module):
     """T5's LayerNorm: scale only, no mean subtraction, variance in float32."""
-
-    norm_kind = "rms"
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -93,46 +70,21 @@ class RMSNorm(_GemvFusable, nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._defers(x):
-            return self._deferred(x, None)[0]
-        if x.is_cuda:   # one Triton kernel instead of five eager ones (same math, fp32 inside)
-            return fused_add_rms_norm(x, None, self.weight, self.eps)[0]
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(self.weight.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(residual + x), residual + x): one kernel on the GPU outside float16, whose
-        residual stream needs transformers' clamp between the add and the norm."""
-        if self._defers(x):
-            return self._deferred(x, residual)
-        if x.is_cuda and x.dtype != torch.float16:
-            return fused_add_rms_norm(x, residual, self.weight, self.eps)
+        """(norm(residual + x), residual + x): the models hand every residual add to the norm
+        after it, so that a fused add+norm kernel can take both (engine/runner/fast_norms.py)."""
         h = clamp_fp16(residual + x)
-        return self(h), h
+        return rms_norm(h, self.weight, self.eps), h
 
 
-class LayerNorm(_GemvFusable, nn.LayerNorm):
-    """nn.LayerNorm (BART, mBART, Whisper) whose residual add can ride in the norm's kernel."""
-
-    norm_kind = "layer"
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._defers(x):
-            return self._deferred(x, None)[0]
-        if x.is_cuda:
-            return fused_add_layer_norm(x, None, self.weight, self.bias, self.eps)[0]
-        return super().forward(x)
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm (BART, mBART, Whisper) with the residual add of ``RMSNorm.add_forward``."""
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(residual + x), residual + x): one kernel on the GPU outside float16, whose
-        residual stream needs transformers' clamp between the add and the norm."""
-        if self._defers(x):
-            return self._deferred(x, residual)
-        if x.is_cuda and x.dtype != torch.float16:
-            return fused_add_layer_norm(x, residual, self.weight, self.bias, self.eps)
         h = clamp_fp16(residual + x)
-        return super().forward(h), h
+        return F.layer_norm(h, self.normalized_shape, self.weight, self.bias, self.eps), h
 
 
 class MergedLinear(nn.Linear):
@@ -164,13 +116,15 @@ class RowParallelLinear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallelGroup = SINGLE):
         super().__init__(tp.split(in_features, "projection size"), out_features, bias=bias)
         self.tp = tp
-        self.matmul = F.linear          # the local product; engine/runner/fast_linear.py may swap it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return self.matmul(x, self.weight, self.bias)
-        y = self.tp.all_reduce_(self.matmul(x, self.weight, None))    # [T, out_features]
+            return self.local_product(x, self.bias)
+        y = self.tp.all_reduce_(self.local_product(x, None))    # [T, out_features]
         return y if self.bias is None else y + self.bias
+
+    def local_product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, self.weight, bias)
 
 
 class DenseMLP(nn.Module):
@@ -183,11 +137,7 @@ class DenseMLP(nn.Module):
         self.fc2 = RowParallelLinear(d_ff, d_model, bias, tp)
         self.act = get_activation(act, option)
 
-    act_into_gemv = False       # set by engine/runner/fast_linear.py where fc1 runs the skinny GEMV
-
-    def forward(self, x: torch.Tensor | Prologue) -> torch.Tensor:
-        if self.act_into_gemv and _one_row(x) and self.act in _GEMV_ACTS:     # act in fc1's kernel
-            return self.fc2(skinny_linear(x, self.fc1.weight, self.fc1.bias, act=_GEMV_ACTS[self.act]))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))
 
 
@@ -201,15 +151,8 @@ class GatedMLP(nn.Module):
         self.fc2 = RowParallelLinear(d_ff, d_model, False, tp)
         self.act = get_activation(act, option)
 
-    act_into_gemv = False       # set by engine/runner/fast_linear.py where gate_up runs the skinny GEMV
-
-    def forward(self, x: torch.Tensor | Prologue) -> torch.Tensor:
-        if self.act_into_gemv and _one_row(x) and self.act in _GEMV_ACTS:     # act(gate) * up in one kernel
-            return self.fc2(skinny_linear(x, self.gate_up.weight, None, act=_GEMV_ACTS[self.act], gated=True))
-        gate_up = self.gate_up(x)                                # [T, 2 * d_ff / tp]
-        if gate_up.is_cuda and self.act is _gelu_tanh:
-            return self.fc2(gated_gelu(gate_up, approximate="tanh"))   # one fused kernel
-        gate, up = gate_up.chunk(2, dim=-1)                      # [T, d_ff / tp] each
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)              # [T, d_ff / tp] each
         return self.fc2(self.act(gate) * up)
 
 
@@ -236,17 +179,9 @@ class SelfAttention(nn.Module):
         o = self.backend.encoder_attention(q, k, v, meta, self.scale, bias_table)  # [T, H, D]
         return self.out_proj(o.reshape(x.shape[0], -1))
 
-    store_in_gemv = False       # set by engine/runner/fast_linear.py where qkv runs the skinny GEMV
-
-    def decode(self, x: torch.Tensor | Prologue, meta: DecoderMetadata, kv: LayerKV,
-               bias_table: torch.Tensor | None = None):
-        if self.store_in_gemv and _one_row(x) and kv.k.is_contiguous() and kv.v.is_contiguous():
-            # one kernel projects q|k|v and writes k and v into the cache
-            qkv = skinny_linear(x, self.qkv.weight, self.qkv.bias, kv_store=(kv.k, kv.v, meta.slot_mapping))
-            q = qkv.view(1, 3, self.num_heads, self.head_dim)[:, 0]
-        else:
-            q, k, v = self._split_qkv(x)                                          # [N, H, D]
-            self.backend.store_kv(k, v, kv.k, kv.v, meta.slot_mapping)
+    def decode(self, x: torch.Tensor, meta: DecoderMetadata, kv: LayerKV, bias_table: torch.Tensor | None = None):
+        q, k, v = self._split_qkv(x)                                              # [N, H, D]
+        self.backend.store_kv(k, v, kv.k, kv.v, meta.slot_mapping)
         o = self.backend.self_attention(q, kv.k, kv.v, meta, self.scale, bias_table)
         return self.out_proj(o.reshape(x.shape[0], -1))
 

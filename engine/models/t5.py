@@ -67,10 +67,6 @@ class T5Layer(nn.Module):
         else:
             self.mlp = DenseMLP(d, config.d_ff, config.dense_act_fn, bias=False, option="feed_forward_proj", tp=tp)
 
-    def gemv_fed_norms(self):
-        """Pre-norms whose output only feeds the next projection (fast_linear may fuse them)."""
-        return [n for n in (self.self_attn_norm, getattr(self, "encoder_attn_norm", None), self.mlp_norm) if n]
-
     # Both directions return ``(delta, h)`` with ``h + delta`` the layer's output: the last
     # residual add rides in the next layer's first norm (or the final norm) kernel.
     def encode(self, h: torch.Tensor, delta: torch.Tensor | None, meta: EncoderMetadata, bias: torch.Tensor):

@@ -20,16 +20,15 @@ from typing import Any
 import torch
 
 # NVLink SHARP (multicast) off for NCCL: the machines this runs on cannot use it and NCCL
-# would otherwise probe it at communicator creation. Set in the driver's environment
-# before any communicator exists; worker processes inherit it.
+# would otherwise probe it at communicator creation.
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0"}
-# A collective that waits longer than this raises (gloo) or is aborted by NCCL's watchdog:
-# the backstop for a rank that hangs without dying. Start-up collectives wait for the
-# slowest rank's weight loading and CUDA-graph capture, hence the generous default.
-DEFAULT_TIMEOUT_S = float(os.environ.get("ENC2DEC_TP_TIMEOUT_S", "600"))
 
 
 def set_nccl_env() -> None:
+    """Put ``NCCL_ENV`` into this process's environment. NCCL reads its settings only from
+    the environment of the process that creates the communicator, when it creates it, so
+    ``init_group`` calls this there (the driver is rank 0 and runs NCCL itself); no other
+    process's environment is touched, and a CPU (gloo) group touches none."""
     os.environ.update(NCCL_ENV)
 
 
@@ -110,21 +109,23 @@ def _is_nccl(backend) -> bool:
     return type(backend).__name__ == "ProcessGroupNCCL"
 
 
-def create_store(rank: int, size: int, port: int, timeout_s: float = DEFAULT_TIMEOUT_S):
-    """Rank 0 hosts the store (``port=0`` picks a free port: read ``store.port``)."""
+def create_store(rank: int, size: int, port: int, timeout_s: float):
+    """Rank 0 hosts the store (``port=0`` picks a free port: read ``store.port``). A collective
+    that waits longer than ``timeout_s`` (``tuning.tp_timeout_s``) raises (gloo) or is aborted
+    by NCCL's watchdog: the backstop for a rank that hangs without dying."""
     from torch.distributed import TCPStore
 
     return TCPStore("127.0.0.1", port, size, rank == 0, timeout=datetime.timedelta(seconds=timeout_s),
                     wait_for_workers=False)
 
 
-def init_group(rank: int, size: int, store, device: torch.device,
-               timeout_s: float = DEFAULT_TIMEOUT_S) -> TensorParallelGroup:
+def init_group(rank: int, size: int, store, device: torch.device, timeout_s: float) -> TensorParallelGroup:
     """Join the group (blocks until every rank has joined, for gloo)."""
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
     if device.type == "cuda":
+        set_nccl_env()
         torch.cuda.set_device(device)
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout

@@ -22,9 +22,8 @@ from typing import Any
 
 import torch
 
-from enc2dec.engine.parallel.distributed import DEFAULT_TIMEOUT_S, TensorParallelGroup, WorkerDiedError
+from enc2dec.engine.parallel.distributed import TensorParallelGroup, WorkerDiedError
 
-START_TIMEOUT_S = DEFAULT_TIMEOUT_S       # a worker's imports, weight loading and graph capture
 STOP_TIMEOUT_S = 10.0
 DEATH_GRACE_S = 5.0                       # a failed collective waits this long for the culprit's exit code
 
@@ -59,8 +58,9 @@ def _worker_env(rank: int, size: int, fd: int) -> dict[str, str]:
 class WorkerPool:
     """Ranks 1..size-1: their processes, one socket each, and a watcher for deaths."""
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, start_timeout_s: float):
         self.size = size
+        self.start_timeout_s = start_timeout_s    # a worker's imports, weight loading and graph capture
         self.procs: dict[int, subprocess.Popen] = {}
         self.conns: dict[int, Connection] = {}
         self.errors: dict[int, str] = {}          # what a worker reported before exiting
@@ -90,14 +90,15 @@ class WorkerPool:
                 raise self.death_error(DEATH_GRACE_S) or WorkerDiedError(
                     f"tensor-parallel worker {rank} closed its connection") from None
 
-    def wait_for(self, kind: str, timeout_s: float = START_TIMEOUT_S) -> None:
+    def wait_for(self, kind: str) -> None:
         """Block until every worker has sent ``kind``; a worker's death or error raises."""
+        timeout_s = self.start_timeout_s
         waiting, deadline = set(self.conns), time.monotonic() + timeout_s
         while waiting:
             ready = wait([self.conns[r] for r in waiting], timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
                 raise WorkerDiedError(f"tensor-parallel workers {sorted(waiting)} did not report {kind!r} within "
-                                      f"{timeout_s:.0f} s (ENC2DEC_TP_TIMEOUT_S)")
+                                      f"{timeout_s:.0f} s (tuning.tp_timeout_s)")
             for conn in ready:
                 rank = next(r for r, c in self.conns.items() if c is conn)
                 got, payload = self._recv(rank)

@@ -29,8 +29,8 @@ import threading
 import torch
 
 from enc2dec.engine.core.batch import SchedulerOutput
-from enc2dec.engine.parallel.distributed import (DEFAULT_TIMEOUT_S, TensorParallelError, TensorParallelGroup, WorkerDiedError,
-                          check_tensor_parallel, create_store, init_group, rank_device, set_nccl_env)
+from enc2dec.engine.parallel.distributed import (TensorParallelError, TensorParallelGroup, WorkerDiedError,
+                          check_tensor_parallel, create_store, init_group, rank_device)
 from enc2dec.engine.runner.model_runner import ModelRunner
 from enc2dec.engine.runner.sampler import DeviceSample, Sampler
 from enc2dec.engine.parallel.pool import DEATH_GRACE_S, WorkerPool, WorkerSpec
@@ -45,16 +45,16 @@ def start_tensor_parallel(args, src, device: torch.device, dtype: torch.dtype, a
     """Check the TP size, start ranks 1..N-1, then build rank 0 here; every rank loads its shard."""
     size = args.tensor_parallel_size
     check_tensor_parallel(src.hf_config, size, device)             # before any process or weight
-    set_nccl_env()
     device = rank_device(device, 0)
-    store = create_store(0, size, 0)
+    timeout_s = args.tuning.tp_timeout_s
+    store = create_store(0, size, 0, timeout_s)
     spec = WorkerSpec(dataclasses.replace(args, tokenizer=None), src.hf_config, src.path, device, dtype,
-                      attn_backend, max_input_len, src.feature_extractor, store.port, DEFAULT_TIMEOUT_S)
-    pool = WorkerPool(size)
+                      attn_backend, max_input_len, src.feature_extractor, store.port, timeout_s)
+    pool = WorkerPool(size, timeout_s)
     tp = None
     try:
         pool.start(spec)
-        tp = init_group(0, size, store, device)
+        tp = init_group(0, size, store, device, timeout_s)
         pool.watch(tp)
         runner = TensorParallelRunner(args, src.hf_config, src.path, device, dtype, attn_backend, max_input_len,
                                       src.feature_extractor, tp=tp, pool=pool)

@@ -1,29 +1,34 @@
-"""Decode-step projections through the skinny GEMV kernel, applied from outside the models.
+"""Decode-step projections through the skinny GEMV kernel, applied to a model from outside.
 
 A decoder step at small batch multiplies a few rows by every weight matrix once; there the
 library GEMM reaches a fraction of the memory bandwidth, and ``kernels.skinny_linear``
-streams the weights instead. ``use_skinny_linear(model)`` rebinds the ``forward`` of every
-plain ``nn.Linear`` (fused ``MergedLinear`` included) so calls with at most
-``DISPATCH_ROWS`` rows take the kernel and larger ones (batched decode steps, encoder
-batches, prompt steps) keep ``F.linear``. Tensor-parallel row layers keep their
-all-reduce: only their local product (``RowParallelLinear.matmul``) is swapped; other
-subclasses are left alone.
-On one-row steps the pre-norms ride in the GEMV that reads them (``Prologue``) and the MLP
-activation in the GEMV that produces its input, and the q|k|v GEMV stores the new k and v:
-a flan-t5-large step runs 258 kernels instead of 378 (docs/benchmarks.md, run I).
-``ENC2DEC_SKINNY_GEMM=0`` turns it all off, ``ENC2DEC_FUSED_GEMV=0`` only the fusion (ablation).
+streams the weights instead. ``use_skinny_linear(model)`` gives every plain ``nn.Linear``
+and ``MergedLinear`` a subclass whose calls with at most ``DISPATCH_ROWS`` rows take the
+kernel, larger ones (batched decode steps, encoder batches, prompt steps) keeping
+``F.linear``. ``RowParallelLinear`` keeps its all-reduce: only its local product is
+swapped. Other subclasses of ``nn.Linear`` are left alone.
+
+With ``fuse``, three more launches per layer ride in the GEMV on one-row calls
+(a flan-t5-large step runs 258 kernels instead of 378, docs/benchmarks.md, run I):
+- a pre-norm defers into the projection after it: it returns a ``Prologue`` (residual add +
+  norm, computed as the GEMV loads its input; program 0 writes the new residual). Which
+  norms may is decided here from the layer structure (``GEMV_FED_NORMS``), not guessed;
+- an MLP's activation (gated: ``act(gate) * up``) is the epilogue of its first GEMV;
+- decoder self-attention's q|k|v GEMV writes k and v into the paged cache.
 """
 from __future__ import annotations
 
+import functools
 import logging
-import os
-import types
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from enc2dec.engine.models.layers import DenseMLP, GatedMLP, MergedLinear, RowParallelLinear, SelfAttention
+from enc2dec.engine.models.bart import BartDecoderLayer, BartEncoderLayer
+from enc2dec.engine.models.layers import (DenseMLP, GatedMLP, LayerNorm, MergedLinear, RMSNorm, RowParallelLinear,
+                                          SelfAttention, gelu_tanh)
+from enc2dec.engine.models.t5 import T5Layer
 from enc2dec.kernels.skinny_gemm import Prologue, skinny_linear      # triton itself loads at the first launch
 
 logger = logging.getLogger("enc2dec")
@@ -35,50 +40,133 @@ logger = logging.getLogger("enc2dec")
 # they stay with the library.
 DISPATCH_ROWS = 1
 
+# Norms that may defer into the GEMV after them, per layer class: pre-norms, whose output
+# feeds that one projection only. A post-norm layer (BART, ``pre_norm`` False) has none: its
+# norms' outputs are also the residual stream. No stack's final norm is listed: its output
+# goes to the LM head, or to every layer's cross K/V projection. T5 layers are all pre-norm.
+GEMV_FED_NORMS = {
+    T5Layer: ("self_attn_norm", "encoder_attn_norm", "mlp_norm"),
+    BartEncoderLayer: ("self_attn_layer_norm", "final_layer_norm"),
+    BartDecoderLayer: ("self_attn_layer_norm", "encoder_attn_layer_norm", "final_layer_norm"),
+}
+
+# Activations the skinny GEMV can apply to its output (kernels/skinny_gemm.py).
+_GEMV_ACTS = {F.relu: "relu", F.gelu: "gelu", gelu_tanh: "gelu_tanh"}
+
+
+def _one_row(x: torch.Tensor | Prologue) -> bool:
+    shape = x.shape
+    return len(shape) >= 1 and shape[-1] > 0 and all(d == 1 for d in shape[:-1])
+
 
 def linear(x: torch.Tensor | Prologue, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` that sends single-row inputs (and deferred norms/activations) to the GEMV kernel."""
+    """``F.linear`` that sends single-row inputs (and deferred norms) to the GEMV kernel."""
     if isinstance(x, Prologue) or (x.shape[-1] and x.numel() // x.shape[-1] <= DISPATCH_ROWS):
         return skinny_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
-def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return linear(x, self.weight, self.bias)
+class SkinnyLinear(nn.Linear):
+    def forward(self, x: torch.Tensor | Prologue) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
-def skinny_linear_enabled(device: torch.device, backend_name: str) -> bool:
-    return (device.type == "cuda" and backend_name == "triton"
-            and os.environ.get("ENC2DEC_SKINNY_GEMM", "1") != "0")
+class SkinnyMergedLinear(MergedLinear):
+    def forward(self, x: torch.Tensor | Prologue) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
-def use_skinny_linear(model: nn.Module, fuse: bool | None = None) -> int:
-    """Rebind plain linear layers of ``model``; returns how many. With ``fuse`` (default: unless
-    ``ENC2DEC_FUSED_GEMV=0``), on one-row calls the norms the model lists in its layers'
-    ``gemv_fed_norms()`` are deferred into the GEMV that reads them (``Prologue``), each
-    MLP's activation (gated: ``act(gate) * up``) rides in its first GEMV, and decoder
-    self-attention's q|k|v GEMV stores k and v in the cache (``kernels/skinny_gemm.py``)."""
-    if fuse is None:
-        fuse = os.environ.get("ENC2DEC_FUSED_GEMV", "1") != "0"
+class SkinnyRowParallelLinear(RowParallelLinear):
+    def local_product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return linear(x, self.weight, bias)
+
+
+_SKINNY_CLASSES = {nn.Linear: SkinnyLinear, MergedLinear: SkinnyMergedLinear,
+                   RowParallelLinear: SkinnyRowParallelLinear}
+
+
+class DeferredNorm:
+    """Mixed in before a norm class: a one-row call (not float16, whose residual stream needs
+    transformers' clamp between the add and the norm) returns the norm as a ``Prologue``."""
+
+    def _prologue(self, x: torch.Tensor, residual: torch.Tensor | None) -> Prologue:
+        return Prologue(x, residual, norm="rms" if isinstance(self, RMSNorm) else "layer", norm_weight=self.weight,
+                        norm_bias=getattr(self, "bias", None), eps=self.eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | Prologue:
+        if x.dtype != torch.float16 and _one_row(x):
+            return self._prologue(x, None)
+        return super().forward(x)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor):
+        if x.dtype != torch.float16 and _one_row(x):
+            pro = self._prologue(x, residual)
+            return pro, pro.res_out
+        return super().add_forward(x, residual)
+
+
+class ActInGemv:
+    """Mixed in before ``DenseMLP`` / ``GatedMLP``: on one-row calls the activation (gated:
+    ``act(gate) * up``) is the epilogue of the first projection's GEMV."""
+
+    def forward(self, x: torch.Tensor | Prologue) -> torch.Tensor:
+        if not (_one_row(x) and self.act in _GEMV_ACTS):
+            return super().forward(x)
+        if isinstance(self, GatedMLP):
+            return self.fc2(skinny_linear(x, self.gate_up.weight, None, act=_GEMV_ACTS[self.act], gated=True))
+        return self.fc2(skinny_linear(x, self.fc1.weight, self.fc1.bias, act=_GEMV_ACTS[self.act]))
+
+
+class StoreInGemv(SelfAttention):
+    """Decoder self-attention whose one-row q|k|v GEMV also writes k and v into the cache."""
+
+    def decode(self, x, meta, kv, bias_table=None):
+        if not (_one_row(x) and kv.k.is_contiguous() and kv.v.is_contiguous()):
+            return super().decode(x, meta, kv, bias_table)
+        qkv = skinny_linear(x, self.qkv.weight, self.qkv.bias, kv_store=(kv.k, kv.v, meta.slot_mapping))
+        q = qkv.view(1, 3, self.num_heads, self.head_dim)[:, 0]                  # [1, H, D]
+        o = self.backend.self_attention(q, kv.k, kv.v, meta, self.scale, bias_table)
+        return self.out_proj(o.reshape(x.shape[0], -1))
+
+
+@functools.cache
+def _mixed(mixin: type, cls: type) -> type:
+    """``cls`` with ``mixin``'s methods first (one class per pair, e.g. a deferring Triton norm)."""
+    return type(f"{mixin.__name__}{cls.__name__}", (mixin, cls), {})
+
+
+def _fused_modules(model: nn.Module):
+    """(module, fused class) for every fusion the model's structure allows."""
+    for module in model.modules():
+        if isinstance(module, (DenseMLP, GatedMLP)) and not isinstance(module, ActInGemv):
+            first = module.gate_up if isinstance(module, GatedMLP) else module.fc1
+            if type(first) is SkinnyMergedLinear:
+                yield module, _mixed(ActInGemv, type(module))
+        elif type(module) is SelfAttention and type(module.qkv) is SkinnyMergedLinear:
+            yield module, StoreInGemv
+        names = GEMV_FED_NORMS.get(type(module), ()) if getattr(module, "pre_norm", True) else ()
+        for norm in filter(None, (getattr(module, name, None) for name in names)):
+            if isinstance(norm, (RMSNorm, LayerNorm)) and not isinstance(norm, DeferredNorm):
+                yield norm, _mixed(DeferredNorm, type(norm))
+
+
+def use_skinny_linear(model: nn.Module, fuse: bool = True) -> int:
+    """Swap the classes of the model's plain linear layers (and, with ``fuse``, of the modules
+    whose work rides in their GEMV); returns how many linear layers."""
     count = fused = 0
     for module in model.modules():
-        if type(module) in (nn.Linear, MergedLinear):
-            module.forward = types.MethodType(_forward, module)
+        cls = _SKINNY_CLASSES.get(type(module))
+        if cls is not None:
+            module.__class__ = cls
             count += 1
-        elif type(module) is RowParallelLinear:
-            module.matmul = linear
-            count += 1
-    for module in model.modules() if fuse else ():
-        first = getattr(module, "fc1", None) or getattr(module, "gate_up", None)
-        if type(module) in (DenseMLP, GatedMLP) and type(first) is MergedLinear:
-            module.act_into_gemv = True
-            fused += 1
-        if type(module) is SelfAttention and type(module.qkv) is MergedLinear:
-            module.store_in_gemv = True
-            fused += 1
-        for norm in getattr(module, "gemv_fed_norms", lambda: ())():
-            norm.into_gemv = True
-            fused += 1
+    for module, cls in list(_fused_modules(model)) if fuse else ():
+        module.__class__ = cls
+        fused += 1
     logger.info("skinny GEMV kernel on %d linear layers for steps of %d row(s); %d norms, activations "
                 "and K/V stores ride in it", count, DISPATCH_ROWS, fused)
     return count
+
+
+def skinny_linear_enabled(device: torch.device, backend_name: str) -> bool:
+    """Where the skinny GEMV runs: CUDA with the triton attention backend."""
+    return device.type == "cuda" and backend_name == "triton"

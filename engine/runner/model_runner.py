@@ -16,6 +16,7 @@ from enc2dec.engine.core.batch import BeamCandidate, ModelRunnerOutput, SampledT
 from enc2dec.engine.core.block_manager import slot_ids
 from enc2dec.engine.parallel.distributed import SINGLE, TensorParallelGroup
 from enc2dec.engine.runner.fast_linear import skinny_linear_enabled, use_skinny_linear
+from enc2dec.engine.runner.fast_norms import use_triton_norms
 from enc2dec.engine.runner.host_to_device import to_device
 from enc2dec.engine.core.kv_sizing import kv_bytes_per_token, plan_kv_pools
 from enc2dec.engine.runner.loader import load_model
@@ -83,15 +84,19 @@ class ModelRunner:
         self.dtype = dtype
         self.tp = tp
         self.is_whisper = hf_config.model_type == "whisper"
-        self.backend = get_attention_backend(attn_backend)
+        tuning = args.tuning
+        self.backend = get_attention_backend(attn_backend, min_keys_per_split=tuning.attn_min_keys_per_split)
         self.log_mel = None
         if self.is_whisper and device.type == "cuda" and feature_extractor is not None:
             from enc2dec.engine.whisper.log_mel import LogMel
 
             self.log_mel = LogMel(feature_extractor, device)
         self.model = load_model(model_path, hf_config, self.backend, dtype, device, args.load_format, tp)
-        if skinny_linear_enabled(device, self.backend.name):
-            use_skinny_linear(self.model)
+        # The GPU kernels, applied from outside the model (before any graph captures it).
+        if device.type == "cuda":
+            use_triton_norms(self.model)
+        if tuning.skinny_gemm and skinny_linear_enabled(device, self.backend.name):
+            use_skinny_linear(self.model, fuse=tuning.fused_gemv)
         self.tokens_per_block = args.kv_cache_config.tokens_per_block
         self.kv_plan = self._plan_kv(self._profile_encoder_activations(max_input_len))
         self.kv = KVCache.allocate(self.model.num_decoder_layers, self.model.num_decoder_heads,
@@ -224,7 +229,7 @@ class ModelRunner:
         if not so.seqs:
             return PendingStep([], None)
         fill = self._placeholder_sources(so.seqs)
-        if self.graphs is not None and self.graphs.can_run(so.seqs):
+        if self._can_replay(so):
             logits = self.graphs.run(so.seqs, fill, self._prev_tokens)                               # [S, vocab]
         else:
             input_ids, positions, meta = self._prepare_decode(so.seqs, fill)
@@ -244,6 +249,13 @@ class ModelRunner:
             event = torch.cuda.Event()
             event.record()
         return PendingStep([s.seq_id for s in so.seqs], sample, event, beam_ids)
+
+    def _can_replay(self, so: SchedulerOutput) -> bool:
+        """Whether this step's decoder half replays a graph; a step that also encodes new
+        requests (a mixed step) only with ``enable_encoder_decoder_mixed_cuda_graph``."""
+        if self.graphs is None or (so.encodes and not self.args.enable_encoder_decoder_mixed_cuda_graph):
+            return False
+        return self.graphs.can_run(so.seqs)
 
     def shutdown(self) -> None:
         """Free the CUDA graphs (and their memory pools) now rather than at garbage collection."""
