@@ -82,7 +82,7 @@ def make_server(app, config: ServeConfig):
 def _slice_s(drain_timeout_s: float) -> float:
     """The drain's last two slices of this length: cut requests flush their last events in the
     first, uvicorn closes connections in the second (its timeout_graceful_shutdown)."""
-    return min(1.0, drain_timeout_s / 4)
+    return min(1.0, drain_timeout_s / 10)
 
 
 def run_server(config: ServeConfig, llm_args) -> int:
