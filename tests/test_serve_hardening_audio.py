@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
 import time
@@ -95,8 +96,6 @@ print(json.dumps({"base": base, "peak": peak_mb(), "codes": codes, "head_s": len
 
 
 def test_3_rejecting_them_costs_bounded_memory(silence_3h):
-    import os
-
     tests = os.path.dirname(os.path.abspath(__file__))
     out = subprocess.run([sys.executable, "-c", _PEAK, silence_3h, tests], capture_output=True, text=True,
                          timeout=120)
