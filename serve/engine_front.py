@@ -22,6 +22,8 @@ from .errors import APIError, bad_request, unavailable
 
 logger = logging.getLogger("enc2dec.serve")
 INPUT_WORKERS = 4
+# Request fields the engine's refusals name, most specific first: the 400's ``param``.
+_ENGINE_PARAMS = ("stop_token_ids", "top_k", "temperature", "max_tokens", "min_tokens", "logprobs", "best_of")
 
 
 @dataclass(frozen=True)
@@ -153,7 +155,8 @@ class EngineFront:
             message = str(e)
             if "max_input_len" in message or "position table" in message:
                 raise bad_request(message, "prompt", "context_length_exceeded") from None
-            raise bad_request(message) from None
+            param = next((p for p in _ENGINE_PARAMS if p in message), None)
+            raise bad_request(message, param) from None
         except RuntimeError as e:                # the LLM was shut down, or its engine thread died
             if "shut down" in str(e):
                 raise unavailable("the server is shutting down and takes no new requests",

@@ -159,6 +159,7 @@ def test_6_requests_larger_than_the_queue_are_400_and_sequences_are_counted(serv
     ('{"prompt": "x", "temperature": true}', "temperature", None, "not a boolean"),
     ('{"prompt": "x", "stream": 1}', "stream", None, "valid boolean"),
     ('{"prompt": "x", "n": 65}', "n", None, "less than or equal"),
+    ('{"prompt": "x", "max_tokens": 100000}', "max_tokens", None, "max_num_tokens"),     # the engine's refusal
 ])
 def test_9_fields_are_validated_with_the_param_named(server, raw, param, code, needle):
     r = httpx.post(server.url + "/v1/completions", content=raw.encode(), timeout=30,

@@ -123,6 +123,10 @@ def test_7_drain_ends_within_the_timeout_cuts_streams_cleanly_and_exits_1(t5_rel
             assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
             time.sleep(0.1)
         body = {"prompt": "never finishes in time", "max_tokens": 8000, "ignore_eos": True, "stream": True}
+        plain = []
+        waiter = threading.Thread(target=lambda: plain.append(httpx.post(
+            url + "/v1/completions", json={**body, "stream": False}, timeout=60)))
+        waiter.start()
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
             events = r.iter_lines()
             first = next(e for e in events if e.startswith("data:"))
@@ -132,6 +136,8 @@ def test_7_drain_ends_within_the_timeout_cuts_streams_cleanly_and_exits_1(t5_rel
             ended = time.monotonic() - t0
         code = proc.wait(timeout=30)
         exited = time.monotonic() - t0
+        waiter.join(timeout=10)
+        assert plain[0].status_code == 503 and "--drain-timeout" in plain[0].json()["error"]["message"]
         assert rest[-1] == "data: [DONE]", rest[-3:]
         err = json.loads(rest[-2][6:])["error"]
         assert err["code"] == "server_shutdown" and "--drain-timeout" in err["message"]
