@@ -66,6 +66,7 @@ def register(app, front, config) -> None:
         if front.info is not None and front.info.is_whisper:
             raise bad_request(f"{config.model_name} is a Whisper model: send audio to /v1/audio/transcriptions",
                               "model")
+        front.check_size(len(prompts) * body.sequences_per_prompt)      # before any tokenising
         body.check_against_model(front.info.vocab_size if front.info is not None else None)
         if front.is_ready:
             await front.run_input(check_prompt_lengths, front, prompts)

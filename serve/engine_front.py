@@ -114,14 +114,18 @@ class EngineFront:
         return engine_stats(self.llm) if self.llm is not None else None
 
     # ---- admission ----------------------------------------------------------------------------
-    def check_accepting(self, num_seqs: int = 1) -> None:
-        """503 while loading, draining or failed, and when the queue is full; 400 for a request of
-        more decoder sequences than the queue holds at all (it could never be admitted)."""
-        retry = self.config.retry_after_s
+    def check_size(self, num_seqs: int) -> None:
+        """400 for a request of more decoder sequences than the queue holds at all."""
         if num_seqs > self.config.max_queue:
             raise bad_request(f"this request needs {num_seqs} decoder sequences (prompts x n x beams); this server "
                               f"queues at most {self.config.max_queue} (--max-queue): split it", "prompt",
                               "too_many_sequences")
+
+    def check_accepting(self, num_seqs: int = 1) -> None:
+        """503 while loading, draining or failed, and when the queue is full; 400 for a request of
+        more decoder sequences than the queue holds at all (it could never be admitted)."""
+        retry = self.config.retry_after_s
+        self.check_size(num_seqs)
         if self.state == "draining":
             raise unavailable("the server is shutting down and takes no new requests", retry)
         if self.state == "failed":
