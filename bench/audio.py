@@ -1,9 +1,9 @@
 """Audio workloads for Whisper: synthetic clips, a folder of clips, or a JSONL manifest.
 
 Every request carries its audio length in seconds, so reports can give the real-time
-factor. Clips are made 16 kHz mono float32 here (WAV through the standard library; other
-formats through the optional ``soundfile``), and cut to the first 30 s: the engine takes
-at most one 30 s window per request.
+factor. Clips are made 16 kHz mono float32 by the engine's audio reader (the same as
+transcribe, eval and serve: soundfile, soxr high quality), and cut to the first 30 s: the
+engine takes at most one 30 s window per request.
 """
 from __future__ import annotations
 
@@ -12,6 +12,9 @@ import os
 import wave
 
 import numpy as np
+
+from enc2dec.engine.whisper.audio import AudioError, resample
+from enc2dec.engine.whisper.audio import read_audio as engine_read_audio
 
 from .errors import BenchInputError
 from .workloads import BenchRequest, iter_jsonl
@@ -49,54 +52,23 @@ def synthetic_audio_requests(num: int, seconds: float, output_lens: list[int], s
 
 
 def _resample(wave_in: np.ndarray, rate: int) -> np.ndarray:
-    if rate == SAMPLE_RATE:
-        return wave_in
     try:
-        import soxr
-
-        return soxr.resample(wave_in, rate, SAMPLE_RATE).astype(np.float32)
-    except ImportError:     # linear interpolation: good enough for timing, not for accuracy
-        n_out = int(round(len(wave_in) * SAMPLE_RATE / rate))
-        x = np.linspace(0, len(wave_in) - 1, n_out)
-        return np.interp(x, np.arange(len(wave_in)), wave_in).astype(np.float32)
-
-
-def _read_wav(path: str) -> tuple[np.ndarray, int]:
-    with wave.open(path, "rb") as w:
-        width, channels, rate = w.getsampwidth(), w.getnchannels(), w.getframerate()
-        raw = w.readframes(w.getnframes())
-    if width == 1:
-        data = (np.frombuffer(raw, np.uint8).astype(np.float32) - 128) / 128
-    elif width in (2, 4):
-        dtype = np.int16 if width == 2 else np.int32
-        data = np.frombuffer(raw, dtype).astype(np.float32) / float(np.iinfo(dtype).max)
-    else:
-        raise ValueError(f"{8 * width}-bit WAV is not supported without soundfile")
-    return data.reshape(-1, channels), rate
+        return resample(wave_in, rate, SAMPLE_RATE)
+    except AudioError as e:          # no soxr: the message names the extra
+        raise BenchInputError(str(e)) from None
 
 
 def read_audio(path: str) -> np.ndarray:
-    """A file as 16 kHz mono float32, at most 30 s."""
+    """A file as 16 kHz mono float32, at most its first 30 s (only those are decoded)."""
     if not os.path.isfile(path):
         raise BenchInputError(f"audio file not found: {path}")
     try:
-        try:
-            import soundfile
-
-            data, rate = soundfile.read(path, dtype="float32", always_2d=True)
-        except ImportError:
-            if not path.lower().endswith(".wav"):
-                raise BenchInputError(f"reading {os.path.basename(path)} needs soundfile "
-                                      "(pip install 'enc2dec[audio]'); WAV files need nothing") from None
-            data, rate = _read_wav(path)
-    except BenchInputError:
-        raise
-    except Exception as e:  # noqa: BLE001 - wave and libsndfile raise many types
+        wave_16k = engine_read_audio(path, SAMPLE_RATE, MAX_SECONDS, cut=True)
+    except AudioError as e:
+        if e.kind == "empty audio":
+            raise BenchInputError(f"audio file {path} is empty") from None
         raise BenchInputError(f"cannot read audio file {path}: {e}") from None
-    if data.size == 0:
-        raise BenchInputError(f"audio file {path} is empty")
-    mono = data.mean(axis=1) if data.shape[1] > 1 else data[:, 0]
-    return _resample(np.ascontiguousarray(mono, dtype=np.float32), int(rate))[:int(MAX_SECONDS * SAMPLE_RATE)]
+    return wave_16k[:int(MAX_SECONDS * SAMPLE_RATE)]
 
 
 def request_from_audio_item(item, output_len: int, where: str) -> BenchRequest:

@@ -2,7 +2,7 @@
 
 A thin command: options in, ``enc2dec.serve.server.run_server`` does the work. FastAPI,
 uvicorn and pydantic are imported only when the command runs (the ``serve`` extra).
-Exit codes: 0 stopped cleanly, 1 the engine failed, 2 bad usage, a model or option the
+Exit codes: 0 stopped cleanly, 1 the engine failed or a SIGTERM drain had to cut requests, 2 bad usage, a model or option the
 engine refuses, a port that cannot be bound, or a missing extra.
 """
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import sys
 from typing import Annotated
 
 import typer
@@ -57,7 +58,8 @@ def serve(
                                     envvar="ENC2DEC_API_KEY", show_envvar=True)] = None,
     served_model_name: Annotated[list[str] | None, option("Model name(s) clients use (default: MODEL). "
                                                            "Repeatable.", S)] = None,
-    max_queue: Annotated[int, option("Requests waiting for a decode slot; beyond it 503 with Retry-After.", S)] = 256,
+    max_queue: Annotated[int, option("Decoder sequences (prompts x n x beams) waiting for a slot; beyond it 503 "
+                                     "with Retry-After, and 400 for one request larger than it.", S)] = 256,
     max_upload_mb: Annotated[float, option("Largest request body (audio upload or JSON), MB.", S)] = 25.0,
     max_prompt_tokens: Annotated[OptInt, option("Longest prompt in tokens (default: the engine's "
                                               "max_input_len).", S)] = None,
@@ -65,7 +67,15 @@ def serve(
                                        "windows, as enc2dec transcribe does).", S)] = 3600.0,
     long_form_strategy: Annotated[str, option("Audio over 30 s or with timestamps: sequential (most accurate) or "
                                             "chunked (windows of one file decoded at once).", S)] = "sequential",
-    drain_timeout: Annotated[float, option("SIGTERM: longest wait for requests in flight, seconds.", S)] = 600.0,
+    drain_timeout: Annotated[float, option("SIGTERM: the drain ends within this many seconds; requests still "
+                                         "running then are cut and the exit code is 1.", S)] = 600.0,
+    request_timeout_s: Annotated[float, option("Longest time a request body may take to arrive, seconds (then "
+                                             "408).", S)] = 60.0,
+    keep_alive_s: Annotated[float, option("Idle keep-alive connections are closed after this many seconds.",
+                                        S)] = 5.0,
+    allowed_origins: Annotated[list[str] | None, option("CORS: a browser origin allowed to call the API (e.g. "
+                                                         "https://app.example.com, or *). Repeatable; default "
+                                                         "none (CORS off).", S)] = None,
     log_level: Annotated[str, option("critical, error, warning, info or debug (debug adds an access log).",
                                    S)] = "info",
 ) -> None:
@@ -84,7 +94,9 @@ def serve(
                           max_upload_bytes=max(1, int(max_upload_mb * (1 << 20))),
                           max_prompt_tokens=max_prompt_tokens, max_audio_s=max_audio_s,
                           long_form_strategy=long_form_strategy,
-                          drain_timeout_s=drain_timeout, log_level=log_level)
+                          drain_timeout_s=drain_timeout, request_timeout_s=request_timeout_s,
+                          keep_alive_s=keep_alive_s, allowed_origins=tuple(allowed_origins or ()),
+                          log_level=log_level)
         llm_args = build_llm_args(model, config, load_format=load_format, dtype=dtype, device=device,
                                   tokenizer=tokenizer, max_batch_size=max_batch_size,
                                   tensor_parallel_size=tp_size, max_beam_width=max_beam_width)
@@ -99,7 +111,12 @@ def serve(
     except ValueError as e:             # the address cannot be bound
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
-    raise typer.Exit(code)
+    # The server and the engine have stopped. Interpreter teardown with torch loaded takes
+    # seconds more, which an orchestrator would count against the drain: skip it.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _importable(module: str) -> bool:

@@ -2,39 +2,30 @@
 
 A row's audio is a file path (relative to the manifest's folder), a Hugging Face ``Audio``
 value (``{"array", "sampling_rate"}`` decoded, or ``{"path", "bytes"}`` undecoded) or a
-decoder object with ``get_all_samples()``. Files are read and every clip is resampled by
-the project's audio code (``enc2dec.engine.whisper.audio``: soundfile and soxr, the same as
-``transcribe``), so eval and transcribe hear the same input.
+decoder object with ``get_all_samples()``. Files and bytes are read and every clip is
+resampled by the project's one audio reader (``enc2dec.engine.whisper.audio``: soundfile
+and soxr, the same as ``transcribe`` and ``serve``), so they all hear the same input.
 """
 from __future__ import annotations
 
-import io
 import os
 
 import numpy as np
 
+# The project's one audio reader and its one input-error type (``kind`` sorts the bad rows).
+from enc2dec.engine.whisper.audio import AudioError, read_audio
+from enc2dec.engine.whisper.audio import resample as engine_resample
+
+__all__ = ["AudioError", "MAX_SECONDS", "SAMPLE_RATE", "load_clip", "resample"]
+
 SAMPLE_RATE = 16000
 MAX_SECONDS = 30.0     # the engine takes one 30 s window per request
+_LONG_HINT = " per request (cut it, or use enc2dec transcribe for long audio)"
 
 
-class AudioError(Exception):
-    """A clip that cannot be used; the row is counted as bad (under ``kind``), the run goes on."""
-
-    def __init__(self, message: str, kind: str = "unreadable audio"):
-        super().__init__(message)
-        self.kind = kind
-
-
-def _read_file(source) -> tuple[np.ndarray, int]:
-    try:
-        import soundfile
-    except ImportError:
-        raise AudioError("reading audio files needs soundfile: pip install soundfile") from None
-    try:
-        wave, rate = soundfile.read(source, dtype="float32", always_2d=False)
-    except Exception as e:  # noqa: BLE001 - libsndfile reports bad files in several types
-        raise AudioError(f"{type(e).__name__}: {e}") from None
-    return wave, int(rate)
+def _read(source, name: str) -> tuple[np.ndarray, int]:
+    """A file or its bytes through the engine's reader, decoding at most the 30 s allowed."""
+    return read_audio(source, SAMPLE_RATE, MAX_SECONDS, name=name, hint=_LONG_HINT), SAMPLE_RATE
 
 
 def _decode(value, base_dir: str) -> tuple[np.ndarray, int]:
@@ -42,19 +33,14 @@ def _decode(value, base_dir: str) -> tuple[np.ndarray, int]:
         path = value if os.path.isabs(value) else os.path.join(base_dir, value)
         if not os.path.isfile(path):
             raise AudioError(f"no such file: {path}")
-        from enc2dec.engine.whisper.audio import load_audio
-
-        try:
-            return load_audio(path, SAMPLE_RATE), SAMPLE_RATE
-        except ValueError as e:      # enc2dec.engine.whisper.audio.AudioError
-            raise AudioError(str(e)) from None
+        return _read(path, path)
     if isinstance(value, dict):
         if value.get("array") is not None:
             if value.get("sampling_rate") is None:
                 raise AudioError("an audio mapping with 'array' needs 'sampling_rate'")
             return np.asarray(value["array"], dtype=np.float32), int(value["sampling_rate"])
         if value.get("bytes"):
-            return _read_file(io.BytesIO(value["bytes"]))
+            return _read(value["bytes"], value.get("path") or "the audio bytes")
         if value.get("path"):
             return _decode(value["path"], base_dir)
         raise AudioError("an audio mapping needs 'array' and 'sampling_rate', 'bytes' or 'path'")
@@ -65,12 +51,7 @@ def _decode(value, base_dir: str) -> tuple[np.ndarray, int]:
 
 
 def resample(wave: np.ndarray, rate: int) -> np.ndarray:
-    from enc2dec.engine.whisper.audio import resample as engine_resample
-
-    try:
-        return engine_resample(wave, rate, SAMPLE_RATE)
-    except ValueError as e:          # no soxr: enc2dec.engine.whisper.audio.AudioError names the extra
-        raise AudioError(str(e)) from None
+    return engine_resample(wave, rate, SAMPLE_RATE)
 
 
 def load_clip(value, base_dir: str = ".") -> np.ndarray:

@@ -1,7 +1,8 @@
 """The FastAPI app: routes, error handlers, middleware and the engine's life cycle.
 
 The server listens at once and loads the engine in the background: /health answers 503
-(``loading``) until the engine is up, then 200, and 503 again while draining.
+(``loading``) until the engine is up, then 200, and 503 again while draining or once the
+engine thread has died (``failed``).
 """
 from __future__ import annotations
 
@@ -69,7 +70,12 @@ def build_app(config: ServeConfig, make_llm: Callable[[], Any] | None = None, ll
     app.state.http = SimpleNamespace(num_active=0)
     install_handlers(app)
     app.add_middleware(ServeMiddleware, api_key=config.api_key, max_body_bytes=config.max_upload_bytes,
-                       metrics=metrics, activity=app.state.http)
+                       metrics=metrics, activity=app.state.http, body_timeout_s=config.request_timeout_s)
+    if config.allowed_origins:       # outermost, so preflights and 401s carry the CORS headers too
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type"], expose_headers=["x-request-id"])
     completions.register(app, front, config)
     audio.register(app, front, config)
 
@@ -92,8 +98,9 @@ def build_app(config: ServeConfig, make_llm: Callable[[], Any] | None = None, ll
         if info is not None:
             extra = {"model_type": info.model_type,
                      "max_model_len": info.max_input_len if not info.is_whisper else info.max_decoder_positions}
-        return {"id": name, "object": "model", "created": created, "owned_by": "enc2dec", "root": config.model,
-                "parent": None, **extra}
+        # root names a served name, never the folder the engine loaded (a filesystem path)
+        return {"id": name, "object": "model", "created": created, "owned_by": "enc2dec",
+                "root": config.model_name, "parent": None, **extra}
 
     @app.get("/v1/models")
     async def models():
@@ -102,7 +109,7 @@ def build_app(config: ServeConfig, make_llm: Callable[[], Any] | None = None, ll
     @app.get("/v1/models/{name:path}")
     async def model(name: str):
         completions.check_model(config, name or None)
-        return model_card(name)
+        return model_card(name if name in config.served_model_names else config.model_name)
 
     @app.get("/metrics")
     async def prometheus():

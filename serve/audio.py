@@ -16,19 +16,19 @@ Two paths, both through the engine's async API:
 """
 from __future__ import annotations
 
-import asyncio
 import math
 import time
 from typing import Annotated, Literal
 
 from fastapi import Form, Request, Response, UploadFile
 from fastapi.responses import PlainTextResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from .audio_input import decode_upload
 from .completions import check_model
 from .errors import APIError, bad_request
-from .streaming import SSE_DONE, ClientGone, event_stream, sse, failed_stream_events, unless_disconnected
+from .protocol import TextFields
+from .streaming import SSE_DONE, ClientGone, event_stream, failed_stream_events, sse, sse_error, unless_disconnected
 from .subtitles import verbose_segments
 
 WINDOW_S = 30.0
@@ -37,7 +37,7 @@ TIMED_FORMATS = ("verbose_json", "srt", "vtt")
 SOT = "<|startoftranscript|>"
 
 
-class TranslationForm(BaseModel):
+class TranslationForm(TextFields):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     file: UploadFile = Field(description="The audio file (WAV, FLAC, OGG, Opus or MP3)")
@@ -81,11 +81,9 @@ async def _handle(front, config, form, request, language: str | None, task: str)
         lang = tokens.language_code(language) if language else (None if tokens.is_multilingual else "en")
     except ValueError as e:
         raise bad_request(str(e), "language" if language and "language" in str(e) else "model") from None
-    wave = await asyncio.to_thread(decode_upload, await form.file.read(), form.file.filename, fe.sampling_rate)
+    wave = await front.run_input(decode_upload, await form.file.read(), form.file.filename, fe.sampling_rate,
+                                 config.max_audio_s)
     duration_s = len(wave) / fe.sampling_rate
-    if duration_s > config.max_audio_s:
-        raise bad_request(f"the audio is {duration_s:.1f} s long; this server takes at most {config.max_audio_s:g} s "
-                          "per request (--max-audio-s)", "file", "audio_too_long")
     timed = form.response_format in TIMED_FORMATS and tokens.has_timestamps
     if form.prompt and not form.prompt.startswith(SOT):
         raise bad_request("prompt (previous-text conditioning) is not supported by this server yet; omit it, or "
@@ -127,10 +125,10 @@ async def _direct(front, request, form, wave, rate, prefix, room, lang, task, du
         raise bad_request(str(e)) from None
     prompt = {"prompt": prefix, "multi_modal_data": {"audio": [(wave, rate)]}}
     if form.stream:
-        batch = await front.submit([prompt], params, streaming=True, offload=True)
+        batch = await front.submit([prompt], params, streaming=True)
         return event_stream(request, batch, _events(front, batch, duration_s))
     try:
-        (out,) = await unless_disconnected(request, front.generate([prompt], params, offload=True))
+        (out,) = await unless_disconnected(request, front.generate([prompt], params))
     except ClientGone:
         return Response(status_code=499)
     c = out.outputs[0]
@@ -155,6 +153,8 @@ async def _events(front, batch, duration_s: float):
         if out.finished:
             front.finish(out)
             yield sse(_done_event(c.text.strip(), duration_s, len(c.token_ids)))
+    if batch.cut_reason:
+        yield sse_error(503, batch.cut_reason, "server_shutdown")
     yield SSE_DONE
 
 

@@ -10,7 +10,7 @@ from fastapi import Request, Response
 
 from .errors import APIError, bad_request
 from .protocol import CompletionRequest, LogprobFormatter, finish_reason, new_id, now_s, usage
-from .streaming import SSE_DONE, ClientGone, event_stream, sse, failed_stream_events, unless_disconnected
+from .streaming import SSE_DONE, ClientGone, event_stream, failed_stream_events, sse, sse_error, unless_disconnected
 
 
 def check_model(config, name: str | None) -> None:
@@ -19,18 +19,42 @@ def check_model(config, name: str | None) -> None:
                        f"{', '.join(repr(n) for n in config.served_model_names)}", "model", "model_not_found")
 
 
+# A token is rarely longer than this many characters: a longer text is measured on its head
+# first, so a multi-megabyte prompt costs one bounded tokenisation before its refusal.
+CHARS_PER_TOKEN_BOUND = 32
+
+
+def prompt_limit(front) -> tuple[int | None, str]:
+    engine = front.info.max_input_len if front.info is not None else None
+    mine = front.config.max_prompt_tokens
+    if mine is not None and (engine is None or mine < engine):
+        return mine, "--max-prompt-tokens"
+    return engine, "the engine's max_input_len"
+
+
 def check_prompt_lengths(front, prompts: list) -> None:
-    """--max-prompt-tokens, when tighter than the engine's own max_input_len (the engine checks that)."""
-    limit = front.config.max_prompt_tokens
+    """Every prompt within the limit (code ``context_length_exceeded``); runs in the input pool."""
+    limit, source = prompt_limit(front)
     if limit is None:
         return
     tok = front.llm.tokenizer if front.llm is not None else None
     for i, p in enumerate(prompts):
-        n = len(p) if isinstance(p, list) else (len(tok.encode(p)) if tok is not None else 0)
+        at_least = ""
+        if isinstance(p, list):
+            n = len(p)
+        elif tok is None:
+            continue
+        else:
+            head = limit * CHARS_PER_TOKEN_BOUND
+            n = len(tok.encode(p[:head])) if len(p) > head else 0
+            if n > limit:
+                at_least = "at least "
+            else:
+                n = len(tok.encode(p))
         if n > limit:
             where = f"prompt {i}" if len(prompts) > 1 else "the prompt"
-            raise bad_request(f"{where} has {n} tokens; this server takes at most {limit} prompt tokens "
-                              "(--max-prompt-tokens)", "prompt", "context_length_exceeded")
+            raise bad_request(f"{where} has {at_least}{n} tokens; this server takes at most {limit} prompt tokens "
+                              f"({source})", "prompt", "context_length_exceeded")
 
 
 def register(app, front, config) -> None:
@@ -42,7 +66,10 @@ def register(app, front, config) -> None:
         if front.info is not None and front.info.is_whisper:
             raise bad_request(f"{config.model_name} is a Whisper model: send audio to /v1/audio/transcriptions",
                               "model")
-        check_prompt_lengths(front, prompts)
+        front.check_size(len(prompts) * body.sequences_per_prompt)      # before any tokenising
+        body.check_against_model(front.info.vocab_size if front.info is not None else None)
+        if front.is_ready:
+            await front.run_input(check_prompt_lengths, front, prompts)
         rid, created, name = new_id("cmpl"), now_s(), body.model or config.model_name
         fmt = LogprobFormatter(front.llm.tokenizer if front.llm is not None else None)
         try:
@@ -120,6 +147,10 @@ async def _events(front, batch, body: CompletionRequest, rid, created, model, fm
                 pending.append(chunk([], usage=_usage(list(finals.values()))))
         for c in pending:
             yield sse(c)
+    if batch.cut_reason:
+        yield sse_error(503, batch.cut_reason, "server_shutdown")
+        yield SSE_DONE
+        return
     if include_usage:
         yield sse(chunk([], usage=_usage(list(finals.values()))))
     yield SSE_DONE

@@ -20,13 +20,16 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None              # when set, every endpoint but /health needs "Bearer <key>"
-    max_queue: int = 256                    # requests waiting for a decode slot before 503s
+    max_queue: int = 256                    # decoder sequences (prompts x n x beams) waiting before 503s
     max_upload_bytes: int = 25 << 20        # any request body (OpenAI's audio file limit is 25 MB)
     max_prompt_tokens: int | None = None    # tighter than the engine's max_input_len, if set
     max_audio_s: float = 3600.0             # longer uploads are refused (long-form decodes 30 s windows)
     long_form_strategy: str = "sequential"  # audio over 30 s / timestamps: enc2dec.engine.whisper.transcribe's strategy
     retry_after_s: int = 1                  # Retry-After on 503s
     drain_timeout_s: float = 600.0          # SIGTERM: longest wait for in-flight requests
+    request_timeout_s: float = 60.0         # longest time a request body may take to arrive
+    keep_alive_s: float = 5.0               # an idle keep-alive connection is closed after this
+    allowed_origins: tuple[str, ...] = ()   # CORS: browser origins allowed to call the API (off when empty)
     log_level: str = "info"
 
     def __post_init__(self):
@@ -53,6 +56,9 @@ class ServeConfig:
                              "chunked")
         if self.drain_timeout_s < 0:
             raise ValueError(f"--drain-timeout must be >= 0, got {self.drain_timeout_s}")
+        for name in ("request_timeout_s", "keep_alive_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         valid = ("critical", "error", "warning", "info", "debug")
         if self.log_level.lower() not in valid:
             raise ValueError(f"--log-level {self.log_level!r} is not valid; valid: {', '.join(valid)}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,9 @@ from .config import ServeConfig
 from .errors import APIError, bad_request, unavailable
 
 logger = logging.getLogger("enc2dec.serve")
+INPUT_WORKERS = 4
+# Request fields the engine's refusals name, most specific first: the 400's ``param``.
+_ENGINE_PARAMS = ("stop_token_ids", "top_k", "temperature", "max_tokens", "min_tokens", "logprobs", "best_of")
 
 
 @dataclass(frozen=True)
@@ -28,19 +32,22 @@ class ModelInfo:
     is_whisper: bool
     max_input_len: int | None             # encoder tokens (text models)
     max_decoder_positions: int | None     # Whisper's decoder position table
+    vocab_size: int | None = None
 
 
 def model_info(llm) -> ModelInfo:
     cfg, proc = llm.engine.hf_config, getattr(llm.engine, "processor", None)
     is_whisper = cfg.model_type == "whisper"
     return ModelInfo(cfg.model_type, is_whisper, getattr(proc, "max_input_len", None),
-                     getattr(cfg, "max_target_positions", None) if is_whisper else None)
+                     getattr(cfg, "max_target_positions", None) if is_whisper else None,
+                     getattr(proc, "vocab_size", None) or getattr(cfg, "vocab_size", None))
 
 
 def engine_stats(llm) -> dict[str, int]:
     """Queue depth, running requests and KV blocks per pool, read without locks (plain lengths)."""
     snapshot = llm.stats()
-    stats = {"waiting": snapshot["waiting"], "running": snapshot["running"]}
+    stats = {"waiting": snapshot["waiting"], "running": snapshot["running"],
+             "running_seqs": getattr(getattr(llm.engine, "scheduler", None), "num_running_seqs", snapshot["running"])}
     for pool, usage in snapshot["kv"].items():
         stats[f"{pool}_used"], stats[f"{pool}_total"] = usage["used_blocks"], usage["total_blocks"]
         stats[f"{pool}_free"] = usage["total_blocks"] - usage["used_blocks"]
@@ -57,7 +64,11 @@ class EngineFront:
         self.state = "loading"           # loading -> ready -> draining; or failed
         self.error: str | None = None
         self.num_in_flight = 0           # engine requests submitted and not yet consumed to the end
+        self.num_seqs_in_flight = 0      # their decoder sequences (n samples or beams each): the queue bound
         self.failed_on_input = False
+        self.batches: set[Batch] = set()
+        # Tokenising and audio features run here, off the event loop, a few at a time.
+        self.input_pool = ThreadPoolExecutor(max_workers=INPUT_WORKERS, thread_name_prefix="enc2dec-input")
 
     # ---- life cycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -78,22 +89,43 @@ class EngineFront:
         if self.state in ("ready", "loading"):
             self.state = "draining"
 
+    def cut_all(self, message: str) -> int:
+        """Ends every request in flight now (drain timeout): streams get an error event and [DONE]."""
+        batches = list(self.batches)
+        for b in batches:
+            b.cut(message)
+        return len(batches)
+
     async def shutdown(self) -> None:
+        self.input_pool.shutdown(wait=False, cancel_futures=True)
         if self.llm is not None:
             llm, self.llm = self.llm, None
             await asyncio.to_thread(llm.shutdown)
 
     @property
     def is_ready(self) -> bool:
+        if self.state == "ready" and self.llm is not None and not getattr(self.llm, "is_healthy", True):
+            error = getattr(self.llm, "error", None)
+            self.state, self.error = "failed", f"the engine thread died: {error!r}"
+            logger.error("%s", self.error)
         return self.state == "ready" and self.llm is not None
 
     def stats(self) -> dict[str, int] | None:
         return engine_stats(self.llm) if self.llm is not None else None
 
     # ---- admission ----------------------------------------------------------------------------
-    def check_accepting(self, num_requests: int = 1) -> None:
-        """503 while loading, draining or failed, and when the queue is full."""
+    def check_size(self, num_seqs: int) -> None:
+        """400 for a request of more decoder sequences than the queue holds at all."""
+        if num_seqs > self.config.max_queue:
+            raise bad_request(f"this request needs {num_seqs} decoder sequences (prompts x n x beams); this server "
+                              f"queues at most {self.config.max_queue} (--max-queue): split it", "prompt",
+                              "too_many_sequences")
+
+    def check_accepting(self, num_seqs: int = 1) -> None:
+        """503 while loading, draining or failed, and when the queue is full; 400 for a request of
+        more decoder sequences than the queue holds at all (it could never be admitted)."""
         retry = self.config.retry_after_s
+        self.check_size(num_seqs)
         if self.state == "draining":
             raise unavailable("the server is shutting down and takes no new requests", retry)
         if self.state == "failed":
@@ -101,28 +133,34 @@ class EngineFront:
         if not self.is_ready:
             raise unavailable("the model is still loading; retry shortly", retry)
         stats = self.stats()
-        waiting = max(0, self.num_in_flight - stats["running"])
-        if waiting + num_requests > self.config.max_queue:
+        waiting = max(0, self.num_seqs_in_flight - stats["running_seqs"])
+        if waiting + num_seqs > self.config.max_queue:
             if self.metrics is not None:
                 self.metrics.rejected_overload.inc()
-            raise unavailable(f"the server is overloaded ({waiting} requests queued, --max-queue "
+            raise unavailable(f"the server is overloaded ({waiting} decoder sequences queued, --max-queue "
                               f"{self.config.max_queue}); retry later", retry)
 
-    async def _submit(self, prompt, params, streaming: bool, offload: bool):
-        """``generate_async`` (in a worker thread when ``offload``: audio features take a while).
+    def run_input(self, fn, *args):
+        """``fn(*args)`` in the input pool (tokenising, audio decoding, features): never on the loop."""
+        return asyncio.get_running_loop().run_in_executor(self.input_pool, fn, *args)
+
+    async def _submit(self, prompt, params, streaming: bool):
+        """``generate_async`` in the input pool (it tokenises or computes audio features).
         A ValueError is the user's mistake (400); a dead engine is a 500."""
         llm = self.llm
         try:
-            if not offload:
-                return llm.generate_async(prompt, params, streaming=streaming)
-            task = asyncio.ensure_future(asyncio.to_thread(llm.generate_async, prompt, params, streaming))
+            task = asyncio.ensure_future(self.run_input(llm.generate_async, prompt, params, streaming))
             try:
                 return await asyncio.shield(task)
             except asyncio.CancelledError:       # the client left while we prepared the input
                 task.add_done_callback(lambda t: t.exception() is None and t.result().abort())
                 raise
         except ValueError as e:
-            raise bad_request(str(e)) from None
+            message = str(e)
+            if "max_input_len" in message or "position table" in message:
+                raise bad_request(message, "prompt", "context_length_exceeded") from None
+            param = next((p for p in _ENGINE_PARAMS if p in message), None)
+            raise bad_request(message, param) from None
         except RuntimeError as e:                # the LLM was shut down, or its engine thread died
             if "shut down" in str(e):
                 raise unavailable("the server is shutting down and takes no new requests",
@@ -130,14 +168,15 @@ class EngineFront:
             self.state, self.error = "failed", str(e)
             raise APIError(500, f"engine error: {e}", code="engine_error") from None
 
-    async def submit(self, prompts: list, params, streaming: bool, offload: bool = False) -> Batch:
+    async def submit(self, prompts: list, params, streaming: bool) -> Batch:
         """Submit every prompt, all or none: a bad one aborts those already in (400 names it)."""
-        self.check_accepting(len(prompts))
-        batch = Batch(self, len(prompts))
+        seqs_each = params.beam_width if params.use_beam_search else params.n
+        self.check_accepting(len(prompts) * seqs_each)
+        batch = Batch(self, len(prompts), len(prompts) * seqs_each)
         try:
             for i, prompt in enumerate(prompts):
                 try:
-                    batch.handles.append(await self._submit(prompt, params, streaming, offload))
+                    batch.handles.append(await self._submit(prompt, params, streaming))
                 except APIError as e:
                     if len(prompts) > 1 and e.status == 400:
                         e.message = f"prompt {i}: {e.message}"
@@ -151,10 +190,12 @@ class EngineFront:
     def reserve(self, num_requests: int):
         """Count engine requests made by a library call (long-form transcription) as in flight."""
         self.num_in_flight += num_requests
+        self.num_seqs_in_flight += num_requests
         try:
             yield
         finally:
             self.num_in_flight -= num_requests
+            self.num_seqs_in_flight -= num_requests
 
     def record_long_form(self, num_windows: int, num_tokens: int, seconds: float, failed: bool) -> None:
         if self.metrics is not None:
@@ -170,13 +211,15 @@ class EngineFront:
             raise APIError(500, out.error if out.error.startswith("engine") else f"engine error: {out.error}",
                            code="engine_error")
 
-    async def generate(self, prompts: list, params, offload: bool = False) -> list:
+    async def generate(self, prompts: list, params) -> list:
         """Final outputs of every prompt, in order; cancelling the caller aborts them."""
-        batch = await self.submit(prompts, params, streaming=False, offload=offload)
+        batch = await self.submit(prompts, params, streaming=False)
         try:
             outs = [await h for h in batch.handles]
         finally:
             batch.close()
+        if batch.cut_reason:
+            raise unavailable(batch.cut_reason, self.config.retry_after_s)
         for out in outs:
             self.finish(out)
         return outs
@@ -186,18 +229,34 @@ class Batch:
     """The engine requests of one HTTP request. ``close()`` (idempotent) aborts the unfinished
     ones, so a client that leaves frees its KV blocks at the engine's next step."""
 
-    def __init__(self, front: EngineFront, num_requests: int):
+    def __init__(self, front: EngineFront, num_requests: int, num_seqs: int | None = None):
         self.front = front
         self.handles: list = []
         self._num = num_requests
+        self._num_seqs = num_requests if num_seqs is None else num_seqs
         self._closed = False
+        self.cut_reason: str | None = None
+        self._queue: asyncio.Queue | None = None
         front.num_in_flight += num_requests
+        front.num_seqs_in_flight += self._num_seqs
+        front.batches.add(self)
+
+    def cut(self, reason: str) -> None:
+        """End this batch now: abort its requests; a stream in progress ends with ``reason``."""
+        if self._closed:
+            return
+        self.cut_reason = reason
+        if self._queue is not None:
+            self._queue.put_nowait((-1, None))
+        self.close()
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         self.front.num_in_flight -= self._num
+        self.front.num_seqs_in_flight -= self._num_seqs
+        self.front.batches.discard(self)
         metrics = self.front.metrics
         for h in self.handles:
             if not h.done():
@@ -206,8 +265,10 @@ class Batch:
                     metrics.finished.labels(reason="cancelled").inc()
 
     async def stream(self) -> AsyncIterator[tuple[int, Any]]:
-        """(prompt index, cumulative RequestOutput) as each arrives, all prompts interleaved."""
+        """(prompt index, cumulative RequestOutput) as each arrives, all prompts interleaved.
+        Ends early when the batch is closed; ``cut_reason`` then says whether it was cut."""
         queue: asyncio.Queue = asyncio.Queue()
+        self._queue = queue
 
         async def pump(i, handle):
             try:
@@ -221,6 +282,8 @@ class Batch:
             remaining = len(tasks)
             while remaining and not self._closed:
                 i, out = await queue.get()
+                if i < 0:
+                    break
                 if out is None:
                     remaining -= 1
                     continue

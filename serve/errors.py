@@ -2,10 +2,12 @@
 
 Every failure a client can see goes through here: bad fields (400), missing or wrong key
 (401), unknown model (404), oversize body (413), overload or draining (503 with
-Retry-After), engine failures (500). Nothing else ever reaches the client as a traceback.
+Retry-After), engine failures (500). An unexpected exception is a 500 whose body carries
+only a request id (the log has it with the traceback): no internals reach the client.
 """
 from __future__ import annotations
 
+import json
 import logging
 
 logger = logging.getLogger("enc2dec.serve")
@@ -53,6 +55,14 @@ def _validation_message(err: dict) -> tuple[str, str | None]:
     loc = [str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path", "form")]
     param = ".".join(loc) or None
     kind = err.get("type", "")
+    if kind == "value_error":          # our own validators: their message says it all
+        msg = err.get("msg", "invalid value").removeprefix("Value error, ")
+        return (msg if not param or msg.startswith(loc[0]) else f"{param}: {msg}"), param
+    if not loc and kind == "missing":
+        return "the request body is empty: send a JSON object (Content-Type: application/json)", None
+    if not loc and kind in ("model_attributes_type", "dict_type"):
+        return ("the request body must be a JSON object; send it with Content-Type: application/json "
+                "(or multipart/form-data for audio)"), None
     if loc and loc[0] in _UNION_FIELDS and kind != "missing":
         return _UNION_FIELDS[loc[0]], loc[0]
     if kind == "json_invalid":
@@ -65,14 +75,26 @@ def _validation_message(err: dict) -> tuple[str, str | None]:
     return (f"{param}: {msg}" if param else msg), param
 
 
+def error_json(status: int, message: str, param: str | None = None, code: str | None = None, **extra) -> bytes:
+    """ASCII-escaped, so no text a client sent can make the error itself fail to encode."""
+    body = error_body(status, message, param, code)
+    body["error"].update(extra)
+    return json.dumps(body, ensure_ascii=True).encode()
+
+
 def install_handlers(app) -> None:
-    """Map every exception a request can raise to an OpenAI-style JSON response."""
+    """Map every exception a request can raise to an OpenAI-style JSON response. Anything
+    else is the middleware's: a 500 with a request id (see ``ServeMiddleware``)."""
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
     from starlette.exceptions import HTTPException
 
+    class AsciiJSONResponse(JSONResponse):
+        def render(self, content) -> bytes:
+            return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
+
     def respond(status: int, message: str, param=None, code=None, headers=None) -> JSONResponse:
-        return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+        return AsciiJSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
@@ -95,8 +117,3 @@ def install_handlers(app) -> None:
             message = f"no route {request.method} {request.url.path}; see /v1/models, /v1/completions, " \
                       "/v1/audio/transcriptions, /health, /metrics"
         return respond(exc.status_code, message, headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def _crash(request, exc: Exception):
-        logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return respond(500, f"internal server error: {type(exc).__name__}: {exc}")

@@ -1,26 +1,39 @@
-"""One ASGI middleware in front of every route: API key, body size, request accounting.
+"""One ASGI middleware in front of every route: API key, HTTP framing and body limits, body
+read timeout, request ids, unexpected errors, request accounting.
 
 Pure ASGI (no Starlette ``BaseHTTPMiddleware``) so streamed responses pass through
 untouched and a client disconnect still reaches the route.
+
+Bodies are counted as they arrive, whatever the framing says: a Content-Length header is
+only an early refusal, never trusted as the size. A request with both Content-Length and
+Transfer-Encoding is refused and its connection closed (RFC 9112 section 6.3: a server
+must not reuse a connection whose framing is ambiguous). Every response carries
+``x-request-id``; an exception no handler maps is a 500 naming only that id (the log has
+the traceback), and the connection stays usable.
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
-import json
+import logging
+import uuid
 
-from .errors import error_body
+from .errors import error_json
+
+logger = logging.getLogger("enc2dec.serve")
 
 OPEN_PATHS = ("/health",)          # reachable without the API key (load balancers, orchestrators)
 KNOWN_ENDPOINTS = ("/v1/completions", "/v1/audio/transcriptions", "/v1/audio/translations", "/v1/models",
                    "/health", "/version", "/metrics")
+_CLOSE = [(b"connection", b"close")]
 
 
 class _TooLarge(Exception):
     pass
 
 
-async def _send_error(send, status: int, message: str, code: str | None = None, headers=()) -> None:
-    body = json.dumps(error_body(status, message, code=code)).encode()
+async def _send_error(send, status: int, message: str, code: str | None = None, headers=(), **extra) -> None:
+    body = error_json(status, message, code=code, **extra)
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             *headers]})
@@ -28,10 +41,12 @@ async def _send_error(send, status: int, message: str, code: str | None = None, 
 
 
 class ServeMiddleware:
-    def __init__(self, app, api_key: str | None, max_body_bytes: int, metrics=None, activity=None):
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, metrics=None, activity=None,
+                 body_timeout_s: float | None = None):
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
         self.metrics = metrics
         self.activity = activity   # .num_active: HTTP requests in progress (a SIGTERM drain waits for zero)
 
@@ -41,10 +56,12 @@ class ServeMiddleware:
         path = scope["path"]
         endpoint = path if path in KNOWN_ENDPOINTS else "other"
         state = {"status": None, "complete": False}
+        request_id = uuid.uuid4().hex[:16]
 
         async def send_tracked(message):
             if message["type"] == "http.response.start":
                 state["status"] = message["status"]
+                message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", request_id.encode())]}
             elif message["type"] == "http.response.body" and not message.get("more_body", False):
                 state["complete"] = True
             await send(message)
@@ -57,22 +74,35 @@ class ServeMiddleware:
                                   "'Authorization: Bearer <key>'", code="invalid_api_key",
                                   headers=[(b"www-authenticate", b"Bearer")])
                 return
-            headers = dict(scope.get("headers") or ())
-            length = headers.get(b"content-length")
-            if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-                await _send_error(send_tracked, 413, self._too_large_message(int(length)), code="request_too_large")
+            headers = scope.get("headers") or ()
+            lengths = [v for k, v in headers if k == b"content-length"]
+            chunked = any(k == b"transfer-encoding" for k, _ in headers)
+            if lengths and chunked or len(set(lengths)) > 1 or any(not v.strip().isdigit() for v in lengths):
+                await _send_error(send_tracked, 400, "ambiguous request framing: send either Content-Length or "
+                                  "Transfer-Encoding, once (RFC 9112)", code="bad_framing", headers=_CLOSE)
                 return
-            if length is None and scope["method"] in ("POST", "PUT", "PATCH"):
+            if lengths and int(lengths[0]) > self.max_body_bytes:
+                await _send_error(send_tracked, 413, self._too_large_message(int(lengths[0])),
+                                  code="request_too_large", headers=_CLOSE)
+                return
+            if scope["method"] in ("POST", "PUT", "PATCH"):
                 try:
-                    receive = await self._buffered(receive)
+                    receive = await asyncio.wait_for(self._buffered(receive), self.body_timeout_s)
                 except _TooLarge:
-                    await _send_error(send_tracked, 413, self._too_large_message(None), code="request_too_large")
+                    await _send_error(send_tracked, 413, self._too_large_message(None), code="request_too_large",
+                                      headers=_CLOSE)
+                    return
+                except asyncio.TimeoutError:
+                    await _send_error(send_tracked, 408, f"the request body did not arrive within "
+                                      f"{self.body_timeout_s:g} s (--request-timeout-s)", code="request_timeout",
+                                      headers=_CLOSE)
                     return
             await self.app(scope, receive, send_tracked)
-        except Exception:
-            if state["status"] is None:          # the error handler answers 500 outside this middleware
-                state["status"], state["complete"] = 500, True
-            raise
+        except Exception:  # noqa: BLE001 - nothing unexpected may reach the client or kill the connection
+            logger.exception("request %s: unhandled error on %s %s", request_id, scope["method"], path)
+            if state["status"] is None:
+                await _send_error(send_tracked, 500, f"internal server error (request id {request_id}; the "
+                                  "server log has the details)", code="internal_error", request_id=request_id)
         finally:
             if self.activity is not None:
                 self.activity.num_active -= 1
@@ -94,7 +124,7 @@ class ServeMiddleware:
                 "(--max-upload-mb)")
 
     async def _buffered(self, receive):
-        """A chunked body with no Content-Length: read it whole (bounded), then replay it."""
+        """The whole body, counted as it arrives (bounded), then replayed to the route."""
         chunks, size = [], 0
         while True:
             message = await receive()

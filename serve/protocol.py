@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
 from .errors import bad_request
 
@@ -19,42 +19,96 @@ Prompt = Union[str, list[str], TokenIds, list[TokenIds]]
 MAX_LOGPROBS = 20
 
 
-class StreamOptions(BaseModel):
+Int = StrictInt
+Bool = StrictBool
+
+
+def _not_bool(value):
+    if isinstance(value, bool):
+        raise ValueError("must be a number, not a boolean")
+    return value
+
+
+Float = Annotated[float, BeforeValidator(_not_bool), Field(allow_inf_nan=False)]
+
+
+def _check_text(value, where: str):
+    """Lone surrogates (JSON allows "\\ud800") are not text: they break tokenizers and encoders."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{where} is not valid Unicode text (an unpaired surrogate at character {e.start})") \
+                from None
+    elif isinstance(value, list):
+        for v in value:
+            _check_text(v, where)
+    return value
+
+
+class TextFields(BaseModel):
+    """Every string field, nested or not, must be valid Unicode."""
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _valid_text(cls, value, info):
+        return _check_text(value, info.field_name)
+
+
+class StreamOptions(TextFields):
     model_config = ConfigDict(extra="forbid")
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    include_usage: Bool = False
+    continuous_usage_stats: Bool = False
 
 
-class CompletionRequest(BaseModel):
+class CompletionRequest(TextFields):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     prompt: Prompt
-    max_tokens: int | None = Field(16, ge=1)
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)          # -1 or 0: off (vLLM's and TensorRT-LLM's convention)
-    seed: int | None = None
-    n: int = Field(1, ge=1, le=64)
-    best_of: int | None = Field(None, ge=1)
-    use_beam_search: bool = False
-    length_penalty: float = 1.0
-    early_stopping: Union[bool, Literal["never"]] = False
+    max_tokens: Int | None = Field(16, ge=1)
+    temperature: Float | None = Field(None, ge=0)
+    top_p: Float | None = Field(None, gt=0, le=1)
+    top_k: Int | None = Field(None, ge=-1)          # -1 or 0: off (vLLM's and TensorRT-LLM's convention)
+    seed: Int | None = None
+    n: Int = Field(1, ge=1, le=64)
+    best_of: Int | None = Field(None, ge=1, le=64)
+    use_beam_search: Bool = False
+    length_penalty: Float = 1.0
+    early_stopping: Union[Bool, Literal["never"]] = False
     stop: str | list[str] | None = None
     stop_token_ids: list[StrictInt] | None = None
-    include_stop_str_in_output: bool = False
-    min_tokens: int = Field(0, ge=0)
-    ignore_eos: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    skip_special_tokens: bool = True
-    stream: bool = False
+    include_stop_str_in_output: Bool = False
+    min_tokens: Int = Field(0, ge=0)
+    ignore_eos: Bool = False
+    logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    skip_special_tokens: Bool = True
+    stream: Bool = False
     stream_options: StreamOptions | None = None
-    echo: bool = False
+    echo: Bool = False
     suffix: str | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: Float = 0.0
+    frequency_penalty: Float = 0.0
+    logit_bias: dict[str, Float] | None = None
     user: str | None = None
+
+    @property
+    def sequences_per_prompt(self) -> int:
+        """Decoder sequences one prompt occupies: its beams, or its n samples."""
+        return (self.best_of or self.n) if self.use_beam_search else self.n
+
+    def check_against_model(self, vocab_size: int | None) -> None:
+        """Token ids and top_k inside the vocabulary, before anything reaches the engine."""
+        if vocab_size is None:
+            return
+        for name, ids in (("stop_token_ids", self.stop_token_ids or ()), ("prompt", _flat_ids(self.prompt))):
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise bad_request(f"{name}: token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})",
+                                  name)
+        if self.top_k is not None and self.top_k > vocab_size:
+            raise bad_request(f"top_k={self.top_k} exceeds the vocabulary size ({vocab_size}); use -1 for no "
+                              "top-k limit", "top_k")
 
     def prompts(self) -> list:
         """One entry per engine request: strings or token-id lists."""
@@ -91,6 +145,14 @@ class CompletionRequest(BaseModel):
                 skip_special_tokens=self.skip_special_tokens)
         except ValueError as e:
             raise bad_request(str(e), _param_of(str(e))) from None
+
+
+def _flat_ids(prompt) -> list[int]:
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        return prompt
+    if isinstance(prompt, list):
+        return [t for p in prompt if isinstance(p, list) for t in p]
+    return []
 
 
 def _param_of(message: str) -> str | None:

@@ -1,8 +1,11 @@
 """Run the app on uvicorn, with a SIGTERM drain.
 
 SIGTERM: /health turns 503 (``draining``) and new generation requests get 503 with
-Retry-After, while requests in flight run to the end; once none is left (or after
-``drain_timeout_s``) the server stops and the engine shuts down. SIGINT (Ctrl-C) is
+Retry-After, while requests in flight run to the end. The whole drain ends within
+``drain_timeout_s``: shortly before it, requests still running are cut (a stream gets an
+SSE error event, then [DONE]; a plain request a 503), their responses get a moment to
+flush, and the server stops; uvicorn's own graceful wait is kept short so it adds nothing
+of note. The exit code is then 1 (the drain did not complete), else 0. SIGINT (Ctrl-C) is
 uvicorn's usual quick stop. The socket is bound before uvicorn starts so that port 0 works
 and the log names the real port.
 """
@@ -38,6 +41,8 @@ def make_server(app, config: ServeConfig):
 
     class DrainingServer(uvicorn.Server):
         drain_started: float | None = None
+        cut_at: float | None = None
+        drain_incomplete = False
 
         def handle_exit(self, sig, frame):
             if sig == signal.SIGTERM and self.drain_started is None and not self.should_exit:
@@ -53,17 +58,31 @@ def make_server(app, config: ServeConfig):
             if front.state == "failed" and front.llm is None:
                 return True                                  # the engine never came up
             if self.drain_started is not None:
-                idle = app.state.http.num_active == 0
-                if idle or time.monotonic() - self.drain_started > config.drain_timeout_s:
-                    if not idle:
-                        logger.warning("drain timeout (%.0f s): stopping with requests in flight",
-                                       config.drain_timeout_s)
+                elapsed = time.monotonic() - self.drain_started
+                if app.state.http.num_active == 0:
+                    return True
+                timeout = config.drain_timeout_s
+                stop_at = timeout - _slice_s(timeout)          # uvicorn's graceful wait comes after
+                if self.cut_at is None and elapsed >= stop_at - _slice_s(timeout):
+                    self.cut_at, self.drain_incomplete = elapsed, True
+                    n = front.cut_all(f"the server shut down before this request finished (--drain-timeout "
+                                      f"{timeout:g} s)")
+                    logger.warning("drain timeout (%g s): cut %d request(s) still running", timeout, n)
+                if elapsed >= stop_at:
                     return True
             return await super().on_tick(counter)
 
     uv_config = uvicorn.Config(app, log_level=config.log_level, access_log=config.log_level == "debug",
-                               timeout_graceful_shutdown=max(1, int(config.drain_timeout_s)), lifespan="on")
+                               timeout_keep_alive=config.keep_alive_s,
+                               timeout_graceful_shutdown=_slice_s(config.drain_timeout_s),
+                               lifespan="on")
     return DrainingServer(uv_config)
+
+
+def _slice_s(drain_timeout_s: float) -> float:
+    """The drain's last two slices of this length: cut requests flush their last events in the
+    first, uvicorn closes connections in the second (its timeout_graceful_shutdown)."""
+    return min(1.0, drain_timeout_s / 10)
 
 
 def run_server(config: ServeConfig, llm_args) -> int:
@@ -88,4 +107,7 @@ def run_server(config: ServeConfig, llm_args) -> int:
     if front.state == "failed" and front.error:
         logger.error("enc2dec serve: the engine failed: %s", front.error)
         return 2 if front.failed_on_input else 1
+    if server.drain_incomplete:
+        logger.error("enc2dec serve: the drain did not complete: requests were cut at --drain-timeout")
+        return 1
     return 0

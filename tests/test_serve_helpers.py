@@ -111,3 +111,71 @@ def wav_bytes(samples: np.ndarray, rate: int = 16000, channels: int = 1) -> byte
 def tone(seconds: float, rate: int = 16000) -> np.ndarray:
     t = np.arange(int(seconds * rate)) / rate
     return (0.3 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
+
+
+class RawConnection:
+    """One keep-alive TCP connection speaking HTTP/1.1 by hand: for framing the clients refuse to
+    send, and to see whether the server keeps or closes the connection."""
+
+    def __init__(self, port: int, timeout_s: float = 30.0):
+        import socket
+
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout_s)
+        self.buf = b""
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def request(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None) -> None:
+        head = {"Host": "127.0.0.1", **({"Content-Type": "application/json"} if body is not None else {}),
+                **({"Content-Length": str(len(body))} if body is not None else {}), **(headers or {})}
+        lines = [f"{method} {path} HTTP/1.1", *(f"{k}: {v}" for k, v in head.items()), "", ""]
+        self.send("\r\n".join(lines).encode() + (body or b""))
+
+    def _fill(self) -> bool:
+        chunk = self.sock.recv(65536)
+        self.buf += chunk
+        return bool(chunk)
+
+    def response(self) -> tuple[int, dict[str, str], bytes]:
+        """The next response (Content-Length or chunked body): status, headers (lower-case), body."""
+        while b"\r\n\r\n" not in self.buf:
+            if not self._fill():
+                raise ConnectionError("closed before a response")
+        head, self.buf = self.buf.split(b"\r\n\r\n", 1)
+        status_line, *header_lines = head.decode("latin-1").split("\r\n")
+        headers = {k.strip().lower(): v.strip() for k, v in (h.split(":", 1) for h in header_lines)}
+        if "content-length" in headers:
+            n = int(headers["content-length"])
+            while len(self.buf) < n:
+                if not self._fill():
+                    raise ConnectionError("closed mid-body")
+            body, self.buf = self.buf[:n], self.buf[n:]
+        else:
+            body = b""
+            while True:
+                while b"\r\n" not in self.buf:
+                    self._fill()
+                size_line, self.buf = self.buf.split(b"\r\n", 1)
+                size = int(size_line, 16)
+                while len(self.buf) < size + 2:
+                    self._fill()
+                body, self.buf = body + self.buf[:size], self.buf[size + 2:]
+                if size == 0:
+                    break
+        return int(status_line.split()[1]), headers, body
+
+    def closed_by_server(self, timeout_s: float = 5.0) -> bool:
+        """True once the server closes its end (reads return EOF) within ``timeout_s``."""
+        self.sock.settimeout(timeout_s)
+        try:
+            while True:
+                if not self.sock.recv(65536):
+                    return True
+        except TimeoutError:
+            return False
+        except ConnectionError:
+            return True
+
+    def close(self) -> None:
+        self.sock.close()

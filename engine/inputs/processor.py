@@ -8,6 +8,7 @@ prompt, when given, replaces the decoder prefix verbatim.
 from __future__ import annotations
 
 import logging
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,15 @@ class ProcessedInput:
     num_hidden_tokens: int          # prefix tokens not returned to the user
     max_output_tokens: int
     audio_seconds: float = 0.0
+
+
+def _token_ids(values) -> list[int]:
+    """Token ids as ints; a bool, a float or a string is a caller's mistake, not an id."""
+    ids = list(values)
+    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+    if bad:
+        raise ValueError(f"prompt token ids must be integers, got {bad[0]!r}")
+    return [int(t) for t in ids]
 
 
 def _first_int(*values):
@@ -144,18 +154,23 @@ class InputProcessor:
         text, ids = None, None
         if isinstance(prompt, str):
             text = prompt
-            ids = list(self._require_tokenizer("a text prompt").encode(prompt, add_special_tokens=True))
+            tok = self._require_tokenizer("a text prompt")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:     # a lone surrogate: the tokenizer would raise TypeError
+                raise ValueError(f"the prompt is not valid Unicode text (at character {e.start})") from None
+            ids = list(tok.encode(prompt, add_special_tokens=True))
         elif isinstance(prompt, dict):
             if "multi_modal_data" in prompt:
                 raise ValueError(f"{self.config.model_type} takes text, not multi_modal_data")
             if "prompt_token_ids" in prompt:
-                ids = list(prompt["prompt_token_ids"])
+                ids = _token_ids(prompt["prompt_token_ids"])
             elif "prompt" in prompt:
                 return self.process(prompt["prompt"], max_tokens)
             else:
                 raise ValueError("a prompt mapping needs 'prompt' or 'prompt_token_ids'")
         elif isinstance(prompt, (list, tuple)) or (hasattr(prompt, "tolist") and not isinstance(prompt, str)):
-            ids = [int(t) for t in (prompt.tolist() if hasattr(prompt, "tolist") else prompt)]
+            ids = _token_ids(prompt.tolist() if hasattr(prompt, "tolist") else prompt)
         else:
             raise ValueError(f"unsupported prompt type {type(prompt).__name__}; pass a string, a list of "
                              "token ids or a mapping with 'prompt' / 'prompt_token_ids'")
