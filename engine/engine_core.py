@@ -95,7 +95,8 @@ def _check_beam_search(params: SamplingParams, max_beam_width: int) -> None:
                          f"capacity reserved at start-up; lower best_of or start LLM(max_beam_width={width})")
     unsupported = [name for name, on in (
         ("temperature > 0", bool(params.temperature)), ("top_k", bool(params.top_k)),
-        ("top_p < 1", params.top_p not in (None, 1.0)), ("stop strings", bool(params.stop))) if on]
+        ("top_p < 1", params.top_p not in (None, 1.0)), ("min_p", bool(params.min_p)),
+        ("stop strings", bool(params.stop))) if on]
     if unsupported:
         raise ValueError(f"use_beam_search=True does not support {', '.join(unsupported)}: beam search is "
                          "deterministic and ranks whole hypotheses; drop these options or decode without beams")

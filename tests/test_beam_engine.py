@@ -180,6 +180,7 @@ def llm(bart):
     (dict(best_of=8, n=1), r"best_of=8 .*exceeds max_beam_width=4"),
     (dict(best_of=2, n=2, temperature=0.7), "temperature"),
     (dict(best_of=2, n=1, stop=["x"]), "stop strings"),
+    (dict(best_of=2, n=1, min_p=0.1), "min_p"),
 ])
 def test_bad_beam_request_is_refused_at_submit_and_good_ones_go_on(llm, params, match):
     good = llm.generate_async(PROMPTS[0], _beam(4, n=2, max_tokens=6))
