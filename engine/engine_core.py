@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -69,22 +68,14 @@ def _check_fits_model(params: SamplingParams, vocab_size: int) -> None:
     """Values the sampler indexes or converts to tensors: a bad one must fail this request at
     submit, never the batch it would have joined (an out-of-vocabulary stop id or an
     overflowing top_k would raise inside a shared step)."""
+    params.validate()            # the fields may have changed since the params were built
     ids = [*(params.stop_token_ids or ()), *(() if params.end_id is None else (params.end_id,))]
     bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"stop_token_ids / end_id {bad[:5]} are outside the vocabulary [0, {vocab_size})")
-    if params.top_k is not None and (isinstance(params.top_k, bool) or not isinstance(params.top_k, int)
-                                     or params.top_k > vocab_size):
+    if params.top_k is not None and params.top_k > vocab_size:
         raise ValueError(f"top_k must be an integer <= the vocabulary size {vocab_size}, got {params.top_k!r}")
-    for name in ("temperature", "top_p", "length_penalty"):
-        value = getattr(params, name)
-        if value is not None and (isinstance(value, bool) or not math.isfinite(float(value))):
-            raise ValueError(f"{name} must be a finite number, got {value!r}")
-    for name in ("max_tokens", "min_tokens", "n"):
-        value = getattr(params, name)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{name} must be an integer, got {value!r}")
-    if params.logprobs is not None and not 0 <= params.logprobs <= vocab_size:
+    if params.logprobs is not None and params.logprobs > vocab_size:
         raise ValueError(f"logprobs must be in [0, {vocab_size}], got {params.logprobs}")
 
 

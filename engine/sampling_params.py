@@ -46,12 +46,29 @@ class SamplingParams:
     logits_processors: Optional[list[Callable]] = None
 
     def __post_init__(self):
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.temperature is not None and not math.isfinite(self.temperature):
-            raise ValueError(f"temperature must be a finite number, got {self.temperature}")
-        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)):
-            raise ValueError(f"top_k must be an integer, got {self.top_k!r}")
+        if self.logits_processors is not None:
+            self.logits_processors = list(self.logits_processors)
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.validate()
+
+    def validate(self) -> None:
+        """Every check that needs no model. The engine runs it again at submit, because the
+        fields may be changed after construction; a bad value must fail its own request, never
+        a step shared with others."""
+        for name, lo in (("max_tokens", 1), ("n", 1), ("min_tokens", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+                raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}")
+        for name in ("temperature", "top_p", "min_p", "length_penalty"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value)):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        for name in ("top_k", "seed", "logprobs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
         if self.temperature is not None and self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k is not None and self.top_k < 0:
@@ -60,28 +77,19 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.min_p is not None and not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         if self.best_of is not None and self.best_of < self.n:
             raise ValueError(f"n ({self.n}) must not exceed best_of ({self.best_of})")
         if self.early_stopping not in (True, False, "never"):
             raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
         if self.logits_processors is not None:
-            self.logits_processors = list(self.logits_processors)
             bad = [p for p in self.logits_processors if not callable(p)]
             if bad:
                 raise ValueError(f"logits_processors must be callables fn(output_token_ids, logits_row); "
                                  f"got {type(bad[0]).__name__}")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
         if self.stop is not None and any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
 
