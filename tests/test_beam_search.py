@@ -43,12 +43,18 @@ def _score(out, lp):
     return out.cumulative_logprob / len(out.token_ids) ** lp
 
 
-def _assert_same(outs, ref, lp, pad, num_prefix=1):
-    """Our n = K hypotheses against HF's num_return_sequences = K: same ids, order and scores."""
+def _assert_same(outs, ref, lp, pad, eos, num_prefix=1):
+    """Our n = K hypotheses against HF's num_return_sequences = K: same ids, order and scores.
+
+    transformers fills the tail of a hypothesis that ended early with ``pad_token_id or
+    eos_token_id``, so with pad id 0 (T5) the tail is EOS, not pad.
+    """
+    eos = eos[0] if isinstance(eos, (list, tuple)) else eos
+    fill = pad if pad else eos
     for rank, (got, (seq, score)) in enumerate(zip(outs, zip(ref.sequences.tolist(), ref.sequences_scores.tolist()))):
         expected = seq[num_prefix:num_prefix + len(got.token_ids)]
         assert got.token_ids == expected, (rank, got.token_ids, seq)
-        assert all(t == pad for t in seq[num_prefix + len(got.token_ids):]), (rank, seq)   # nothing longer
+        assert all(t == fill for t in seq[num_prefix + len(got.token_ids):]), (rank, seq)   # nothing longer
         assert _score(got, lp) == pytest.approx(score, rel=1e-4, abs=1e-4), rank
     assert len(outs) == len(ref.sequences)
 
@@ -90,7 +96,7 @@ def test_text_families_match_transformers_beam_search(family, request):
                                   early_stopping=es, min_new_tokens=0, no_repeat_ngram_size=0,
                                   repetition_penalty=1.0, forced_eos_token_id=None,
                                   return_dict_in_generate=True, output_scores=True, **extra)
-                _assert_same(out.outputs, ref, lp, tok.pad_token_id)
+                _assert_same(out.outputs, ref, lp, tok.pad_token_id, hf.generation_config.eos_token_id)
                 assert [o.index for o in out.outputs] == list(range(K))
                 assert len(one.outputs) == 1 and one.outputs[0].token_ids == out.outputs[0].token_ids
                 assert one.outputs[0].cumulative_logprob == out.outputs[0].cumulative_logprob
@@ -135,7 +141,7 @@ def test_whisper_matches_transformers_beam_search(whisper):
                 num_beams=K, num_return_sequences=K, length_penalty=lp, early_stopping=es, do_sample=False,
                 suppress_tokens=g.suppress_tokens, begin_suppress_tokens=g.begin_suppress_tokens,
                 return_dict_in_generate=True, output_scores=True)
-            _assert_same(out.outputs, ref, lp, g.pad_token_id, num_prefix=len(prefix))
+            _assert_same(out.outputs, ref, lp, g.pad_token_id, g.eos_token_id, num_prefix=len(prefix))
             best = hf.generate(feats, max_new_tokens=12, language="en", task="transcribe", num_beams=K,
                                length_penalty=lp, early_stopping=es).tolist()[0]
             assert out.outputs[0].token_ids[:len(best)] == best
@@ -187,5 +193,5 @@ def test_logits_processors_see_each_beams_own_history(t5_relu):
         ref = hf.generate(**tok(prompt, return_tensors="pt"), do_sample=False, num_beams=K, num_return_sequences=K,
                           max_new_tokens=MAX_TOKENS, logits_processor=LogitsProcessorList([HFNoImmediateRepeat()]),
                           return_dict_in_generate=True, output_scores=True)
-        _assert_same(out.outputs, ref, 1.0, tok.pad_token_id)
+        _assert_same(out.outputs, ref, 1.0, tok.pad_token_id, hf.generation_config.eos_token_id)
         assert all(a != b for o in out.outputs for a, b in zip(o.token_ids, o.token_ids[1:]))
