@@ -179,7 +179,7 @@ class EngineCore:
                       encoder_input=proc.encoder_input, seqs=seqs, max_output_tokens=proc.max_output_tokens,
                       sampling_params=spec, eos_token_ids=frozenset(eos),
                       stop_token_ids=frozenset(params.stop_token_ids or ()), ignore_eos=params.ignore_eos,
-                      min_tokens=params.min_tokens)
+                      min_tokens=params.min_tokens, needs_host_tokens=params.needs_host_tokens)
         if params.use_beam_search:
             req.beam = BeamState(params.beam_width, params.n, params.length_penalty, params.early_stopping,
                                  keep_logprobs=params.logprobs is not None,
@@ -241,8 +241,7 @@ class EngineCore:
     def _needs_sync(self) -> bool:
         # Host-side logits processors need real tokens; beam search needs the surviving beams
         # (and their block copies) before it can schedule their next step.
-        return any(getattr(t.params, "logits_processors", None) or t.params.use_beam_search
-                   for t in self._live.values())
+        return any(t.request.needs_host_tokens for t in self._live.values())
 
     def _finish_step(self, so: SchedulerOutput, pending, apply) -> list[RequestOutput]:
         try:

@@ -102,5 +102,15 @@ class SamplingParams:
         return self.temperature is None and self.top_k is None and self.top_p is None and self.min_p is None
 
     @property
+    def needs_host_tokens(self) -> bool:
+        """Whether a step of this request needs its previous step's tokens on the host: beam
+        search picks the surviving beams there, and a Python logits processor that reads the ids
+        gets them there. Rules the sampler applies batched on the device (``batched = True``,
+        e.g. Whisper's timestamp grammar) and processors that read only the count need neither,
+        so such requests keep the overlap."""
+        return self.use_beam_search or any(getattr(fn, "needs_token_ids", True) and not getattr(fn, "batched", False)
+                                           for fn in self.logits_processors or ())
+
+    @property
     def beam_width(self) -> int:
         return (self.best_of or self.n) if self.use_beam_search else 1

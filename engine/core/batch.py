@@ -36,8 +36,10 @@ class ScheduledSeq:
     encoder_len: int
     num_output_tokens: int        # output tokens before this step (min_tokens, begin-suppress)
     cumulative_logprob: float = 0.0   # the beam's running score (beam search adds it to its candidates)
-    # A beam's output ids so far, sent only when its request has logits processors: beams
-    # reorder every step, so the runner cannot keep their histories itself.
+    # The output ids so far, sent only for requests whose Python logits processors read them
+    # (Request.needs_host_tokens): such a request is scheduled only once its previous step is
+    # resolved, so these are real tokens. Beams reorder every step, so the runner could not
+    # keep their histories itself anyway.
     output_token_ids: list[int] | None = None
 
     @property

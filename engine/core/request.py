@@ -113,6 +113,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     arrival_time: float = field(default_factory=time.monotonic)
     num_preemptions: int = 0
+    # A step needs the previous step's tokens on the host (SamplingParams.needs_host_tokens):
+    # the scheduler sends the output ids with each of its sequences.
+    needs_host_tokens: bool = False
     # Beam search (a beam_search.BeamState): ``seqs`` are then the running beams, best first,
     # starting from one; finished hypotheses live in the state, not in ``seqs``.
     beam: Any = None

@@ -244,8 +244,8 @@ class Scheduler(BeamScheduling):
             budget.num_growth_blocks += self._num_growth_blocks(req, seq)
             if req.beam is not None:
                 out.seqs[-1].cumulative_logprob = seq.cumulative_logprob
-                if req.beam.needs_token_ids:
-                    out.seqs[-1].output_token_ids = seq.output_token_ids
+            if req.needs_host_tokens and (req.beam is None or req.beam.needs_token_ids):
+                out.seqs[-1].output_token_ids = seq.output_token_ids
         budget.num_seqs += len(seqs)
         if req.beam is not None:
             # Beams not forked yet: their rows (and a private last block each) are reserved now,
