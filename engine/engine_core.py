@@ -69,10 +69,12 @@ def _check_fits_model(params: SamplingParams, vocab_size: int) -> None:
     submit, never the batch it would have joined (an out-of-vocabulary stop id or an
     overflowing top_k would raise inside a shared step)."""
     params.validate()            # the fields may have changed since the params were built
-    ids = [*(params.stop_token_ids or ()), *(() if params.end_id is None else (params.end_id,))]
-    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"stop_token_ids / end_id {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+    for name, ids in (("stop_token_ids / end_id",
+                       [*(params.stop_token_ids or ()), *(() if params.end_id is None else (params.end_id,))]),
+                      ("bad_token_ids", params.bad_token_ids or ()), ("logit_bias", list(params.logit_bias or ()))):
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"{name} {bad[:5]} are outside the vocabulary [0, {vocab_size})")
     if params.top_k is not None and params.top_k > vocab_size:
         raise ValueError(f"top_k must be an integer <= the vocabulary size {vocab_size}, got {params.top_k!r}")
     if params.logprobs is not None and params.logprobs > vocab_size:
@@ -87,7 +89,8 @@ def _check_beam_search(params: SamplingParams, max_beam_width: int) -> None:
     unsupported = [name for name, on in (
         ("temperature > 0", bool(params.temperature)), ("top_k", bool(params.top_k)),
         ("top_p < 1", params.top_p not in (None, 1.0)), ("min_p", bool(params.min_p)),
-        ("stop strings", bool(params.stop))) if on]
+        ("stop strings", bool(params.stop)), ("repetition/presence/frequency penalties", params.has_penalties),
+        ("logit_bias", bool(params.logit_bias))) if on]
     if unsupported:
         raise ValueError(f"use_beam_search=True does not support {', '.join(unsupported)}: beam search is "
                          "deterministic and ranks whole hypotheses; drop these options or decode without beams")
@@ -170,7 +173,8 @@ class EngineCore:
         proc: ProcessedInput = self.processor.process(prompt, params.max_tokens)
         eos = (params.end_id,) if params.end_id is not None else self.processor.eos_token_ids
         spec = SeqSamplingState(params, tuple(eos), tuple(params.stop_token_ids or ()),
-                                self.processor.suppress_token_ids, self.processor.begin_suppress_token_ids)
+                                self.processor.suppress_token_ids, self.processor.begin_suppress_token_ids,
+                                prefix_token_ids=tuple(proc.decoder_prefix[:proc.num_hidden_tokens]))
         # Beam search starts from one sequence and forks it; n then counts returned hypotheses.
         num_seqs = 1 if params.use_beam_search else params.n
         seqs = [Sequence(token_ids=list(proc.decoder_prefix), num_hidden_tokens=proc.num_hidden_tokens, index=i)

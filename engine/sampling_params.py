@@ -35,6 +35,15 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None          # top-k logprobs per token (0: only the sampled token's)
+    # transformers' rule over the decoder's tokens so far (its prefix included, as transformers
+    # sees decoder_input_ids): a seen token's logit is divided by it when positive and
+    # multiplied by it when negative. 1.0 is off.
+    repetition_penalty: float = 1.0
+    # OpenAI's: subtracted once from every token already generated, and per occurrence.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None   # added to those tokens' logits (OpenAI's logit_bias)
+    bad_token_ids: list[int] | None = None       # never generated (TensorRT-LLM's bad_token_ids)
     detokenize: bool = True
     skip_special_tokens: bool = True
     # Each is called as fn(output_token_ids, logits_row) for this request's row before greedy
@@ -60,7 +69,8 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < lo:
                 raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}")
-        for name in ("temperature", "top_p", "min_p", "length_penalty"):
+        for name in ("temperature", "top_p", "min_p", "length_penalty", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not math.isfinite(value)):
@@ -69,6 +79,16 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1.0 is off), got {self.repetition_penalty}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or any(
+                    isinstance(k, bool) or not isinstance(k, int) or isinstance(v, bool)
+                    or not isinstance(v, (int, float)) or not math.isfinite(v) for k, v in self.logit_bias.items()):
+                raise ValueError("logit_bias must map token ids (integers) to finite numbers")
+        if self.bad_token_ids is not None and any(isinstance(t, bool) or not isinstance(t, int)
+                                                  for t in self.bad_token_ids):
+            raise ValueError("bad_token_ids must be a list of integer token ids")
         if self.temperature is not None and self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k is not None and self.top_k < 0:
@@ -100,6 +120,11 @@ class SamplingParams:
         if self.temperature == 0:
             return True
         return self.temperature is None and self.top_k is None and self.top_p is None and self.min_p is None
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether a penalty reads the tokens generated so far."""
+        return self.repetition_penalty != 1.0 or bool(self.presence_penalty) or bool(self.frequency_penalty)
 
     @property
     def needs_host_tokens(self) -> bool:

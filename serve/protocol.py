@@ -1,8 +1,8 @@
 """OpenAI request models (pydantic) and the response shapes built from RequestOutputs.
 
 Unknown fields are refused (400 names them) rather than silently ignored: a client that
-sends ``frequency_penalty`` expects it to do something. Fields OpenAI defines but this
-engine cannot honour are accepted only at their neutral value.
+sends an option expects it to do something. Fields OpenAI defines but this engine cannot
+honour (``echo``, ``suffix``) are accepted only at their neutral value.
 """
 from __future__ import annotations
 
@@ -87,9 +87,11 @@ class CompletionRequest(TextFields):
     stream_options: StreamOptions | None = None
     echo: Bool = False
     suffix: str | None = None
-    presence_penalty: Float = 0.0
-    frequency_penalty: Float = 0.0
+    presence_penalty: Float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: Float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: Float = Field(1.0, gt=0.0)
     logit_bias: dict[str, Float] | None = None
+    bad_token_ids: list[StrictInt] | None = None
     user: str | None = None
 
     @property
@@ -101,7 +103,8 @@ class CompletionRequest(TextFields):
         """Token ids and top_k inside the vocabulary, before anything reaches the engine."""
         if vocab_size is None:
             return
-        for name, ids in (("stop_token_ids", self.stop_token_ids or ()), ("prompt", _flat_ids(self.prompt))):
+        for name, ids in (("stop_token_ids", self.stop_token_ids or ()), ("prompt", _flat_ids(self.prompt)),
+                          ("bad_token_ids", self.bad_token_ids or ()), ("logit_bias", self._bias_ids())):
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
                 raise bad_request(f"{name}: token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})",
@@ -109,6 +112,12 @@ class CompletionRequest(TextFields):
         if self.top_k is not None and self.top_k > vocab_size:
             raise bad_request(f"top_k={self.top_k} exceeds the vocabulary size ({vocab_size}); use -1 for no "
                               "top-k limit", "top_k")
+
+    def _bias_ids(self) -> list[int]:
+        try:
+            return [int(k) for k in self.logit_bias or {}]
+        except ValueError:
+            raise bad_request("logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
 
     def prompts(self) -> list:
         """One entry per engine request: strings or token-id lists."""
@@ -126,7 +135,7 @@ class CompletionRequest(TextFields):
     def sampling_params(self):
         from enc2dec.engine import SamplingParams
 
-        for name in ("echo", "suffix", "presence_penalty", "frequency_penalty", "logit_bias"):
+        for name in ("echo", "suffix"):
             if getattr(self, name):      # accepted only at the neutral value (False, None, 0, {})
                 raise bad_request(f"{name} is not supported by this server; omit it", name)
         if self.best_of is not None and self.best_of != self.n and not self.use_beam_search:
@@ -142,7 +151,10 @@ class CompletionRequest(TextFields):
                 length_penalty=self.length_penalty, early_stopping=self.early_stopping, stop=self.stop,
                 stop_token_ids=self.stop_token_ids, include_stop_str_in_output=self.include_stop_str_in_output,
                 min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, logprobs=self.logprobs,
-                skip_special_tokens=self.skip_special_tokens)
+                skip_special_tokens=self.skip_special_tokens, presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+                logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()} or None,
+                bad_token_ids=self.bad_token_ids)
         except ValueError as e:
             raise bad_request(str(e), _param_of(str(e))) from None
 

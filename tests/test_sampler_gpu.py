@@ -28,7 +28,7 @@ NUM_OUT = [0, 3, 1, 2, 1, 2, 5, 1, 1]
 
 
 def _step(sampler, logits):
-    sample = sampler.sample(logits, STATES, NUM_OUT, [BeamGroup(7, 2, 4)], [-0.5, -0.7], [None, None])
+    sample = sampler.sample(logits, STATES, NUM_OUT, [BeamGroup(7, 2, 4)], [-0.5, -0.7])
     sample = sample.to_host(non_blocking=True)
     event = torch.cuda.Event()
     event.record()
@@ -96,3 +96,69 @@ def test_engine_steps_with_overlap_sample_without_syncing(t5_relu):
     assert [o.token_ids for o in second[2].outputs] == [o.token_ids for o in first[2].outputs]
     assert second[3].outputs[0].token_ids == first[3].outputs[0].token_ids
     assert second[0].outputs[0].token_ids == first[0].outputs[0].token_ids
+
+
+def test_every_kind_of_row_steps_together_without_syncing(whisper):
+    """The issue's must-show: greedy, sampled, seeded, min_tokens, stop-token, timestamped and
+    language-detecting Whisper requests decode in the same steps, overlap on, and every engine
+    step (schedule, launch, resolve) runs under the sync debug mode."""
+    import numpy as np
+    from enc2dec.engine.whisper.rules import DetectLanguage, SuppressAtBegin, TimestampRules
+    from enc2dec.engine.whisper.tokens import engine_whisper_info
+
+    kv = KvCacheConfig(cross_kv_cache_fraction=0.5, free_gpu_memory_fraction=0.2)
+    with LLM(whisper, dtype="bfloat16", max_batch_size=16, kv_cache_config=kv) as llm:
+        assert llm.engine.overlap
+        tok, _, _ = engine_whisper_info(llm)
+        lang = next(iter(tok.languages))
+        forced = tok.forced_after_language("transcribe", True)
+
+        def timestamped(begin=0):
+            return TimestampRules(begin, tok.eot, tok.no_timestamps, tok.timestamp_begin, 50)
+
+        def clip(prefix, i):
+            wave = np.random.default_rng(i).standard_normal(16000 * (2 + i)).astype(np.float32) * 0.1
+            return {"prompt": "".join(llm.tokenizer.convert_ids_to_tokens(prefix)),
+                    "multi_modal_data": {"audio": [(wave, 16000)]}}
+
+        plain, with_ts = tok.prefix(lang, "transcribe", False), tok.prefix(lang, "transcribe", True)
+        rows = [(plain, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)),
+                (plain, SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, ignore_eos=True)),
+                (plain, SamplingParams(max_tokens=12, temperature=1.0, top_k=20, seed=3, n=2, ignore_eos=True)),
+                (plain, SamplingParams(max_tokens=12, temperature=0.0, min_tokens=6)),
+                (plain, SamplingParams(max_tokens=12, min_p=0.1, seed=4, stop_token_ids=[5], logprobs=1)),
+                (with_ts, SamplingParams(max_tokens=12, temperature=0.0, logits_processors=[timestamped()])),
+                (with_ts, SamplingParams(max_tokens=12, temperature=0.8, seed=5, logits_processors=[timestamped()])),
+                ([tok.sot], SamplingParams(max_tokens=12, temperature=0.0, logits_processors=[
+                    DetectLanguage(list(tok.languages.values()), forced),
+                    SuppressAtBegin(1 + len(forced), tok.begin_suppress), timestamped(1 + len(forced))]))]
+        prompts = [clip(prefix, i) for i, (prefix, _) in enumerate(rows)]
+        params = [p for _, p in rows]
+        first = llm.generate(prompts, params, use_tqdm=False)          # warm-up: lazy init may sync once
+        core = llm.engine
+        inner, steps = core.step, []
+
+        def strict_step():
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                out = inner()
+                steps.append(len(core.scheduler.running))
+                return out
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+        core.step = strict_step
+        try:
+            second = llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            core.step = inner
+    assert steps and max(steps) == len(rows)                           # all kinds in the same steps
+    for i in (0, 2, 4, 5, 6, 7):                                        # greedy and seeded rows repeat
+        assert [o.token_ids for o in second[i].outputs] == [o.token_ids for o in first[i].outputs], i
+    assert len(second[3].outputs[0].token_ids) >= 6
+    for out in (second[5], second[6], second[7]):
+        stamps = [t for t in out.outputs[0].token_ids if t >= tok.timestamp_begin]
+        assert stamps == sorted(stamps)
+    assert second[5].outputs[0].token_ids[0] >= tok.timestamp_begin    # the text opens with a timestamp
+    assert second[7].outputs[0].token_ids[0] in tok.languages.values()
+    assert second[7].outputs[0].token_ids[1:1 + len(forced)] == forced

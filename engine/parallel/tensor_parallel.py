@@ -146,6 +146,9 @@ class _BroadcastingSampler:
         self.inner, self.tp = inner, tp
         self.is_synced = False        # this step's broadcast happened: the ranks are in step
 
+    def release(self, seq_ids) -> None:
+        self.inner.release(seq_ids)
+
     def sample(self, logits, states, num_output_tokens, *beam_args) -> DeviceSample:
         try:
             out = self.inner.sample(logits, states, num_output_tokens, *beam_args)

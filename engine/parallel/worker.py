@@ -45,6 +45,9 @@ class _ReceivingSampler:
     def __init__(self, tp: TensorParallelGroup):
         self.tp = tp
 
+    def release(self, seq_ids) -> None:
+        pass                      # rank 0 keeps the histories
+
     def sample(self, logits, states, num_output_tokens, *beam_args) -> DeviceSample:
         # Beam candidates are chosen on rank 0; their forks reach this rank as block copies
         # and real input tokens in the next SchedulerOutput.

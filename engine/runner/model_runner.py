@@ -220,7 +220,7 @@ class ModelRunner:
         the placeholder token (overlap mode) reads its token from the previous step's samples,
         which never leave the GPU for that purpose."""
         for rid in so.finished_request_ids:
-            self.states.pop(rid, None)
+            self.sampler.release(self.states.pop(rid, None) or ())
         if so.block_copies:
             self._copy_blocks(so.block_copies)     # before any attention reads or writes them; never in a graph
         if so.encodes:
@@ -240,7 +240,7 @@ class ModelRunner:
         beam_rows = [s for g in groups for s in so.seqs[g.start:g.start + g.num_rows]]
         sample = self.sampler.sample(logits, states, [s.num_output_tokens for s in so.seqs], groups,
                                      [s.cumulative_logprob for s in beam_rows],
-                                     [s.output_token_ids for s in beam_rows])
+                                     [s.output_token_ids for s in so.seqs], [s.seq_id for s in so.seqs])
         self._prev_tokens = sample.token_ids                                       # [S] stays on device
         self._prev_rows = {s.seq_id: i for i, s in enumerate(so.seqs)}
         event = None

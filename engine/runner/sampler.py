@@ -6,7 +6,10 @@ sampler builds one batched set of tensors per step, staged through pinned memory
 never waits for the device: no list indexing of device tensors, no ``.item()``. Greedy
 rows never touch an RNG, and a seeded request draws from its own counter-based stream
 (``sampling_ops``), so its tokens do not depend on which other requests share the batch.
-Logits processors, Python code that may read token ids, remain the one slow path.
+Rules with a batched form (``batched = True``: Whisper's timestamp grammar and language
+detection) run as tensor work over all their rows, reading a device-side token history;
+Python logits processors, which may read token ids, remain the one slow path (their ids
+arrive from the host with the step).
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from enc2dec.engine.runner.host_to_device import to_device
+from enc2dec.engine.runner.token_history import TokenHistory
 from enc2dec.engine.runner.sampling_ops import (exponential_race, filter_top_k_top_p_min_p, seeded_exponential,
                                                 unseeded_exponential)
 from enc2dec.engine.sampling_params import SamplingParams
@@ -34,12 +38,20 @@ class SeqSamplingState:
     suppress_token_ids: tuple[int, ...] = ()          # always masked (Whisper generation config)
     begin_suppress_token_ids: tuple[int, ...] = ()    # masked at the first generated position
     stream: tuple[int, int] | None = None             # seeded rows: sampling_ops.stream_key
+    prefix_token_ids: tuple[int, ...] = ()            # the hidden decoder prefix (repetition_penalty sees it)
     min_tokens_mask_ids: tuple[int, ...] = field(default=())
-    # Output ids so far, kept (on the host) only for requests with logits processors.
-    processor_history: list[int] | None = None
+    masked_ids: tuple[int, ...] = field(default=())   # suppress list and bad_token_ids
 
     def __post_init__(self):
         self.min_tokens_mask_ids = tuple(sorted(set(self.eos_token_ids) | set(self.stop_token_ids)))
+        self.masked_ids = tuple(sorted(set(self.suppress_token_ids) | set(self.params.bad_token_ids or ())))
+
+    @property
+    def records_history(self) -> bool:
+        """Whether its chosen tokens go into the device-side history (penalties, history-reading rules)."""
+        p = self.params
+        return not p.use_beam_search and (p.has_penalties or any(
+            getattr(fn, "batched", False) and getattr(fn, "reads_history", False) for fn in p.logits_processors or ()))
 
 
 @dataclass
@@ -82,7 +94,7 @@ class BeamCandidates:
 def _mask_indices(states: list[SeqSamplingState], num_output_tokens: list[int]):
     rows, cols = [], []
     for r, (st, n_out) in enumerate(zip(states, num_output_tokens)):
-        ids = list(st.suppress_token_ids)
+        ids = list(st.masked_ids)
         if n_out == 0:
             ids += st.begin_suppress_token_ids
         if n_out < st.params.min_tokens and not st.params.ignore_eos:
@@ -133,37 +145,70 @@ class DeviceSample:
         return SamplerOutput(token_ids, lps, tops)
 
 
-def _needs_token_ids(st: SeqSamplingState) -> bool:
-    return any(getattr(fn, "needs_token_ids", True) for fn in st.params.logits_processors)
-
-
 def _apply_logits_processors(logits: torch.Tensor, states: list[SeqSamplingState], num_output_tokens: list[int],
-                             rows: list[int], owned: bool) -> torch.Tensor:
+                             rows: list[int], histories: list[list[int] | None], owned: bool) -> torch.Tensor:
     # logits: [S, V]. Never edit the model's (or a CUDA graph's) output buffer in place.
     if not owned:
         logits = logits.clone()
     for r in rows:
-        st, n_out = states[r], num_output_tokens[r]
-        if _needs_token_ids(st):
-            if st.processor_history is None or n_out == 0:
-                st.processor_history = []
-            del st.processor_history[n_out:]
-            ids = st.processor_history
-        else:
-            ids = [-1] * n_out      # these processors read only the count: no host copy needed
-        for fn in st.params.logits_processors:
+        # Processors that read only the count get -1s: no ids were sent for them.
+        ids = histories[r] if histories[r] is not None else [-1] * num_output_tokens[r]
+        for fn in st_processors(states[r]):
             fn(ids, logits[r])
     return logits
 
 
-def _record_processor_history(chosen: torch.Tensor, states: list[SeqSamplingState], rows: list[int]) -> None:
-    # A host sync, paid only by steps that hold requests whose processors read token ids:
-    # they need the ids on the host to decide the next step's mask.
-    rows = [r for r in rows if _needs_token_ids(states[r])]
-    if rows:
-        ids = chosen.index_select(0, to_device(rows, torch.long, chosen.device)).tolist()
-        for r, token_id in zip(rows, ids):
-            states[r].processor_history.append(token_id)
+def st_processors(st: SeqSamplingState) -> list:
+    """The Python processors that run row by row (the batched rules run in ``_choose``)."""
+    return [fn for fn in st.params.logits_processors or () if not getattr(fn, "batched", False)]
+
+
+def _batched_rules(states: list[SeqSamplingState]):
+    """Rows of the rules the sampler applies batched (``batched = True``), by rule class:
+    ``{cls: (rows, rule objects)}``, and the rows whose chosen tokens go into the history."""
+    by_rule: dict[type, tuple[list[int], list]] = {}
+    for r, st in enumerate(states):
+        if st.params.use_beam_search or not st.params.logits_processors:
+            continue
+        for fn in st.params.logits_processors:
+            if getattr(fn, "batched", False):
+                rule_rows, fns = by_rule.setdefault(type(fn), ([], []))
+                rule_rows.append(r)
+                fns.append(fn)
+    return by_rule, [r for r, st in enumerate(states) if st.records_history]
+
+
+def _penalize(logits: torch.Tensor, states: list[SeqSamplingState], num_output_tokens: list[int],
+              rows: list[int], window: torch.Tensor | None) -> torch.Tensor:
+    """Repetition / presence / frequency penalties and logit bias for ``rows``, batched.
+    ``window`` [R, L]: those rows' output ids from the device-side history (None when only
+    biases apply)."""
+    # logits: [S, V] float32 -> a fresh [S, V]
+    dev, vocab = logits.device, logits.shape[-1]
+    idx = to_device(rows, torch.long, dev)
+    sub = logits.index_select(0, idx)                                                     # [R, V]
+    params = [states[r].params for r in rows]
+    if window is not None:
+        written = torch.arange(window.shape[1], device=dev)[None, :] < \
+            to_device([num_output_tokens[r] for r in rows], torch.long, dev)[:, None]     # [R, L]
+        counts = torch.zeros_like(sub).scatter_add_(1, window.clamp(min=0), written.to(sub.dtype))   # [R, V]
+        f = to_device([[p.repetition_penalty, p.presence_penalty, p.frequency_penalty] for p in params],
+                      torch.float32, dev)                                                 # [R, 3]
+        seen = counts > 0
+        prefix = [(i, t) for i, r in enumerate(rows) if params[i].repetition_penalty != 1.0
+                  for t in states[r].prefix_token_ids]
+        repeated = seen
+        if prefix:
+            at = to_device(list(zip(*prefix)), torch.long, dev)
+            repeated = seen.index_put((at[0], at[1]), torch.ones((), dtype=torch.bool, device=dev))
+        rep = f[:, :1]
+        sub = torch.where(repeated, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        sub = sub - f[:, 1:2] * seen - f[:, 2:3] * counts
+    bias = [(i, t, b) for i, p in enumerate(params) for t, b in (p.logit_bias or {}).items()]
+    if bias:
+        at = to_device([(i, t) for i, t, _ in bias], torch.long, dev).t()
+        sub = sub.index_put((at[0], at[1]), to_device([b for *_, b in bias], sub.dtype, dev), accumulate=True)
+    return logits.index_copy(0, idx, sub)
 
 
 def _beam_candidates(logits: torch.Tensor, states: list[SeqSamplingState], num_output_tokens: list[int],
@@ -174,7 +219,7 @@ def _beam_candidates(logits: torch.Tensor, states: list[SeqSamplingState], num_o
     As in transformers' beam search, the log-softmax is taken over the raw logits and the
     filters (suppress lists, min_tokens, then logits processors) edit the log-probabilities:
     masking does not renormalize a beam's distribution."""
-    # logits: [S, V] (unfiltered); beam_scores / histories: per row of the groups, in order
+    # logits: [S, V] (unfiltered); beam_scores: per row of the groups, in order; histories: per row
     dev, vocab = logits.device, logits.shape[-1]
     rows = [g.start + j for g in groups for j in range(g.num_rows)]
     if rows == list(range(rows[0], rows[0] + len(rows))):
@@ -185,9 +230,9 @@ def _beam_candidates(logits: torch.Tensor, states: list[SeqSamplingState], num_o
     m_rows, m_cols = _mask_indices([states[r] for r in rows], [num_output_tokens[r] for r in rows])
     if m_rows:
         logp.index_put_(tuple(to_device((m_rows, m_cols), torch.long, dev)), _neg_inf(dev))
-    for i, r in enumerate(rows):
+    for i, r in enumerate(rows):         # beams reorder every step: every rule runs row by row here
         for fn in states[r].params.logits_processors or ():
-            fn(histories[i] if histories[i] is not None else [-1] * num_output_tokens[r], logp[i])
+            fn(histories[r] if histories[r] is not None else [-1] * num_output_tokens[r], logp[i])
     scores = logp + to_device(beam_scores, torch.float32, dev)[:, None]     # [R, V]
     width = max(g.num_rows for g in groups)
     keep = max(g.num_keep for g in groups)
@@ -202,39 +247,74 @@ def _beam_candidates(logits: torch.Tensor, states: list[SeqSamplingState], num_o
 
 
 class Sampler:
+    def __init__(self):
+        self.history: TokenHistory | None = None      # made when a rule that reads it first appears
+
+    def release(self, seq_ids) -> None:
+        """Forget finished sequences' device-side histories."""
+        if self.history is not None:
+            self.history.release(seq_ids)
+
     def sample(self, logits: torch.Tensor, states: list[SeqSamplingState], num_output_tokens: list[int],
                beam_groups: list[BeamGroup] = (), beam_scores: list[float] = (),
-               beam_histories: list[list[int] | None] = ()) -> DeviceSample:
+               histories: list[list[int] | None] | None = None, seq_ids: list[int] | None = None) -> DeviceSample:
         """Choose one token per row without waiting for the device; for ``beam_groups`` (rows of
-        beam-search requests, whose chosen token is meaningless) propose candidates instead."""
+        beam-search requests, whose chosen token is meaningless) propose candidates instead.
+        ``histories``: each row's output ids where its request's Python processors read them
+        (else None); ``seq_ids`` name the rows for the device-side history of batched rules."""
         # logits: [S, V] float32; num_output_tokens: tokens each row has produced so far
+        histories = histories if histories is not None else [None] * len(states)
         beams = None
         if beam_groups:
-            histories = list(beam_histories) or [None] * len(beam_scores)
             beams = _beam_candidates(logits, states, num_output_tokens, list(beam_groups), list(beam_scores),
                                      histories)
-        sample = self._choose(logits, states, num_output_tokens)
+        sample = self._choose(logits, states, num_output_tokens, histories, seq_ids)
         sample.beams = beams
         return sample
 
-    def _choose(self, logits: torch.Tensor, states: list[SeqSamplingState],
-                num_output_tokens: list[int]) -> DeviceSample:
+    def _choose(self, logits: torch.Tensor, states: list[SeqSamplingState], num_output_tokens: list[int],
+                histories: list[list[int] | None], seq_ids: list[int] | None) -> DeviceSample:
+        # Beam rows run every rule in _beam_candidates, over each beam's own history.
+        by_rule, recorded = _batched_rules(states)
+        slots = None
+        if recorded:
+            if seq_ids is None:
+                raise ValueError("penalties and rules that read the token history need the rows' seq_ids")
+            if self.history is None:
+                self.history = TokenHistory(logits.device)
+            slots = self.history.slots([seq_ids[r] for r in recorded], max(num_output_tokens[r] for r in recorded))
+            slot_of = dict(zip(recorded, slots))
+        penalized = [r for r, st in enumerate(states) if not st.params.use_beam_search
+                     and (st.params.has_penalties or st.params.logit_bias)]
+        if penalized:       # on the raw logits, as transformers and vLLM apply them (before temperature)
+            with_history = [r for r in penalized if states[r].params.has_penalties]
+            # A bias-only row reads any slot: its neutral penalties make the counts irrelevant.
+            window = self.history.window([slot_of.get(r, slots[0]) for r in penalized]) if with_history else None
+            logits = _penalize(logits, states, num_output_tokens, penalized, window)
         rows, cols = _mask_indices(states, num_output_tokens)
         if rows:
             dev = logits.device
             logits = logits.index_put(tuple(to_device((rows, cols), torch.long, dev)), _neg_inf(dev))
-        # Beam rows run their processors in _beam_candidates, over each beam's own history.
-        processed = [r for r, st in enumerate(states) if st.params.logits_processors
-                     and not st.params.use_beam_search]
+        for rule in sorted(by_rule, key=lambda cls: cls.order):
+            rule_rows, fns = by_rule[rule]
+            idx = to_device(rule_rows, torch.long, logits.device)
+            window = self.history.window([slot_of[r] for r in rule_rows]) if getattr(rule, "reads_history", False) \
+                else None
+            sub = rule.apply_batch(logits.index_select(0, idx), fns, [num_output_tokens[r] for r in rule_rows], window)
+            logits = logits.index_copy(0, idx, sub)       # a fresh tensor: the model's buffer stays as it was
+        processed = [r for r, st in enumerate(states) if not st.params.use_beam_search and st_processors(st)]
         if processed:
-            logits = _apply_logits_processors(logits, states, num_output_tokens, processed, owned=bool(rows))
+            logits = _apply_logits_processors(logits, states, num_output_tokens, processed, histories,
+                                              owned=bool(rows or by_rule or penalized))
         chosen = logits.argmax(dim=-1)                                      # [S]
         sampled = [r for r, st in enumerate(states)                         # beams: no RNG
                    if not (st.params.is_greedy or st.params.use_beam_search)]
         if sampled:
             chosen = self._sample(logits, chosen, states, num_output_tokens, sampled)
-        if processed:
-            _record_processor_history(chosen, states, processed)
+        if recorded:
+            picked = chosen if recorded == list(range(len(states))) else \
+                chosen.index_select(0, to_device(recorded, torch.long, chosen.device))
+            self.history.record(slots, [num_output_tokens[r] for r in recorded], picked)
         want = [st.params.logprobs for st in states]
         if all(w is None for w in want):
             return DeviceSample(chosen, want)

@@ -1,9 +1,17 @@
 """Whisper decoding rules as logits processors (``SamplingParams.logits_processors``).
 
-Each is called as ``fn(output_token_ids, logits_row)`` and edits the ``[vocab]`` row in
-place. They are plain picklable objects and never read a tensor back to the host: a step
-with them costs a few small kernels per row. Only ``TimestampRules`` reads the token ids
-(the sampler copies them to the host each step for it); the others need only their count.
+Each is a plain picklable object with two forms of one rule:
+
+- ``apply_batch`` (``batched = True``): what the sampler runs, for all rows holding the rule
+  at once, as tensor work on the device. Per-row parameters and counts come from the host,
+  which knows them; the one thing it does not know under the overlap scheduler, the token
+  the previous step just chose, is read from the device-side ``TokenHistory``. So a Whisper
+  request with timestamps or language detection never makes a step wait for the GPU.
+- ``__call__(output_token_ids, logits_row)``: the same rule on one row with the ids on the
+  host, for beam search (whose beams reorder every step) and as the readable reference the
+  tests hold ``apply_batch`` to.
+
+The rules:
 
 - ``DetectLanguage``: the first output token is restricted to the language tokens (language
   identification as one decoder step from ``<|startoftranscript|>``), the next ones are forced
@@ -12,12 +20,31 @@ with them costs a few small kernels per row. Only ``TimestampRules`` reads the t
 - ``SuppressAtBegin``: the checkpoint's ``begin_suppress_tokens`` at the first text
   position, for when forced tokens moved it past the engine's own (output position 0).
 - ``TimestampRules``: Whisper's timestamp grammar, as the original decoder applies it.
+
+Batched rules run before any Python processor of the row, in ``order``.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from enc2dec.engine.runner.host_to_device import to_device
+
 _NEG_INF = float("-inf")
+_BIG = 1 << 40        # "no bound" for an int64 rule parameter
+
+
+@functools.lru_cache(maxsize=16)
+def _allowed(ids: tuple[int, ...], vocab: int, device: torch.device) -> torch.Tensor:
+    """[V] bool, True at ``ids``: made once per id set and device."""
+    mask = torch.zeros(vocab, dtype=torch.bool, device=device)
+    mask[to_device(list(ids), torch.long, device)] = True
+    return mask
+
+
+def _columns(vocab: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(vocab, device=device)[None, :]         # [1, V]
 
 
 def _keep_only(row: torch.Tensor, index: torch.Tensor) -> None:
@@ -35,7 +62,9 @@ def _force(row: torch.Tensor, token_id: int) -> None:
 
 
 class DetectLanguage:
-    needs_token_ids = False      # only the count: the sampler skips the per-step host copy
+    needs_token_ids = False      # only the count
+    batched = True
+    order = 0
 
     def __init__(self, language_ids: list[int], forced: list[int]):
         self.language_ids = sorted(language_ids)
@@ -51,9 +80,27 @@ class DetectLanguage:
         elif n <= len(self.forced):
             _force(row, self.forced[n - 1])
 
+    @staticmethod
+    def apply_batch(logits: torch.Tensor, rules: list["DetectLanguage"], num_output_tokens: list[int],
+                    history=None) -> torch.Tensor:
+        # logits: [R, V]; rows at output 0 keep only their language ids, the next ones are forced
+        dev, vocab = logits.device, logits.shape[-1]
+        detecting = [i for i, n in enumerate(num_output_tokens) if n == 0]
+        for ids in {tuple(rules[i].language_ids) for i in detecting}:      # one set per model
+            rows = to_device([n == 0 and tuple(r.language_ids) == ids for r, n in zip(rules, num_output_tokens)],
+                             torch.bool, dev)[:, None]                                      # [R, 1]
+            logits = logits.masked_fill(rows & ~_allowed(ids, vocab, dev)[None, :], _NEG_INF)
+        forced = [r.forced[n - 1] if 1 <= n <= len(r.forced) else -1 for r, n in zip(rules, num_output_tokens)]
+        if any(t >= 0 for t in forced):
+            token = to_device(forced, torch.long, dev)[:, None]                             # [R, 1]
+            logits = torch.where(token >= 0, torch.where(_columns(vocab, dev) == token, 0.0, _NEG_INF), logits)
+        return logits
+
 
 class SuppressAtBegin:
     needs_token_ids = False
+    batched = True
+    order = 1
 
     def __init__(self, begin_index: int, token_ids: tuple[int, ...]):
         self.begin_index = begin_index
@@ -62,6 +109,21 @@ class SuppressAtBegin:
     def __call__(self, output_ids: list[int], row: torch.Tensor) -> None:
         if len(output_ids) == self.begin_index and self.token_ids:
             row[self.token_ids] = _NEG_INF
+
+    @staticmethod
+    def apply_batch(logits: torch.Tensor, rules: list["SuppressAtBegin"], num_output_tokens: list[int],
+                    history=None) -> torch.Tensor:
+        # logits: [R, V]; one staged (row, token) index list for the rows at their begin index
+        rows, cols = [], []
+        for i, (r, n) in enumerate(zip(rules, num_output_tokens)):
+            if n == r.begin_index:
+                rows += [i] * len(r.token_ids)
+                cols += r.token_ids
+        if not rows:
+            return logits
+        dev = logits.device
+        index = to_device((rows, cols), torch.long, dev)
+        return logits.index_put((index[0], index[1]), torch.full((), _NEG_INF, device=dev))
 
 
 class TimestampRules:
@@ -73,6 +135,11 @@ class TimestampRules:
     - a lone timestamp is followed by another or by EOT, not by text;
     - when the timestamps together are likelier than the best text token, one is taken.
     """
+
+    needs_token_ids = True       # the per-row form; the batched one reads the device-side history
+    batched = True
+    reads_history = True
+    order = 2
 
     def __init__(self, begin_index: int, eot: int, no_timestamps: int, timestamp_begin: int,
                  max_initial_timestamp_index: int | None = 50):
@@ -108,3 +175,41 @@ class TimestampRules:
         timestamp_mass = row[ts:].logsumexp(dim=-1)
         best_text = row[:ts].max()
         row[:ts].masked_fill_(timestamp_mass > best_text, _NEG_INF)
+
+    @staticmethod
+    def apply_batch(logits: torch.Tensor, rules: list["TimestampRules"], num_output_tokens: list[int],
+                    history: torch.Tensor) -> torch.Tensor:
+        """``__call__``'s grammar for R rows at once. ``history`` [R, L] holds each row's output
+        ids (its last one possibly written by the step still on the GPU)."""
+        # logits: [R, V] float32
+        dev, vocab = logits.device, logits.shape[-1]
+        active = [n >= r.begin_index for r, n in zip(rules, num_output_tokens)]
+        # Per row: output count, begin index, EOT, <|notimestamps|>, first timestamp, last
+        # allowed first timestamp, active. One staged copy.
+        p = to_device([[n, r.begin_index, r.eot, r.no_timestamps, r.ts,
+                        r.ts + r.max_initial if r.max_initial is not None else _BIG, a]
+                       for r, n, a in zip(rules, num_output_tokens, active)], torch.long, dev)    # [R, 7]
+        n, begin, eot, no_ts, ts, last_initial, on = (c[:, None] for c in p.unbind(dim=1))         # [R, 1] each
+        on = on.bool()
+        num_seq = n - begin                                           # text tokens so far (>= 0 when on)
+        positions = torch.arange(history.shape[1], device=dev)[None, :]                            # [1, L]
+        in_seq = (positions >= begin) & (positions < n)
+        last = history.gather(1, (n - 1).clamp(min=0))                                            # [R, 1]
+        penultimate = history.gather(1, (n - 2).clamp(min=0))
+        last_is_ts = (num_seq >= 1) & (last >= ts)
+        penultimate_is_ts = (num_seq < 2) | (penultimate >= ts)
+        # Timestamps never decrease, so the last one is the largest.
+        last_stamp = torch.where(in_seq & (history >= ts), history, -1).amax(dim=1, keepdim=True)  # [R, 1]
+        cols = _columns(vocab, dev)
+        is_ts = cols >= ts
+        drop = cols == no_ts
+        drop |= last_is_ts & penultimate_is_ts & is_ts               # a pair just closed
+        drop |= last_is_ts & ~penultimate_is_ts & (cols < eot)       # a lone stamp: another, or EOT
+        lone = last_is_ts & ~penultimate_is_ts
+        floor = torch.where(lone, last_stamp, last_stamp + 1)
+        drop |= (last_stamp >= 0) & is_ts & (cols < floor)           # never back in time
+        drop |= (num_seq == 0) & (~is_ts | (cols > last_initial))
+        ruled = logits.masked_fill(drop & on, _NEG_INF)
+        timestamp_mass = ruled.masked_fill(~is_ts, _NEG_INF).logsumexp(dim=-1, keepdim=True)      # [R, 1]
+        best_text = ruled.masked_fill(is_ts, _NEG_INF).amax(dim=-1, keepdim=True)
+        return ruled.masked_fill(on & (timestamp_mass > best_text) & ~is_ts, _NEG_INF)
