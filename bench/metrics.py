@@ -28,6 +28,7 @@ class RequestRecord:
     audio_s: float = 0.0
     error: str | None = None
     num_preemptions: int = 0
+    kind: str = "plain"                               # the request's BenchRequest.kind
 
     @property
     def ok(self) -> bool:
@@ -97,6 +98,9 @@ class LevelMetrics:
     kv_cross_blocks_total: int | None = None
     num_preemptions: int = 0
     errors: list[str] = field(default_factory=list)  # the first few distinct failure messages
+    # Levels mixing request kinds (``--timestamps-every``): each kind's share, and the plain one's
+    plain_out_tok_per_s: float | None = None
+    groups: dict[str, dict] | None = None
 
     def get(self, key: str):
         """A flat metric by name: ``out_tok_per_s``, ``p99_e2e_ms``, ``mean_ttft_ms``, ..."""
@@ -119,7 +123,23 @@ def metric_names() -> list[str]:
     flat = [f"{s}_{m}_ms" for m in LATENCIES for s in STATS]
     return ["completed", "failed", "duration_s", "req_per_s", "out_tok_per_s", "total_tok_per_s",
             "input_tokens", "output_tokens", *flat, "audio_s", "rtf", "peak_gpu_mem_gib",
-            "kv_self_blocks_peak", "kv_cross_blocks_peak", "num_preemptions"]
+            "kv_self_blocks_peak", "kv_cross_blocks_peak", "num_preemptions", "plain_out_tok_per_s"]
+
+
+def _groups(ok: list[RequestRecord], duration_s: float) -> dict[str, dict] | None:
+    """Per request kind, when a level holds more than one: its completed requests, its output
+    tokens over the level's duration (the kinds' figures add up to the level's), its latencies."""
+    kinds = sorted({r.kind for r in ok})
+    if len(kinds) < 2:
+        return None
+    out = {}
+    for kind in kinds:
+        mine = [r for r in ok if r.kind == kind]
+        tokens = sum(r.output_len for r in mine)
+        out[kind] = {"completed": len(mine), "output_tokens": tokens, "out_tok_per_s": tokens / duration_s,
+                     "mean_tpot_ms": summarize_ms([t for r in mine if (t := r.tpot_s) is not None])["mean"],
+                     "p50_e2e_ms": summarize_ms([r.e2e_s for r in mine])["p50"]}
+    return out
 
 
 def compute_level(backend: str, concurrency: int, records: list[RequestRecord], duration_s: float,
@@ -136,10 +156,12 @@ def compute_level(backend: str, concurrency: int, records: list[RequestRecord], 
         "e2e": summarize_ms([r.e2e_s for r in ok]),
     }
     errors = list(dict.fromkeys(r.error for r in records if not r.ok))[:5]
+    groups = _groups(ok, duration_s)
     return LevelMetrics(
         backend=backend, concurrency=concurrency, num_requests=len(records), completed=len(ok),
         failed=len(records) - len(ok), duration_s=duration_s, req_per_s=len(ok) / duration_s,
         input_tokens=in_tok, output_tokens=out_tok, out_tok_per_s=out_tok / duration_s,
         total_tok_per_s=(in_tok + out_tok) / duration_s, latency_ms=latency, audio_s=audio_s,
         rtf=audio_s / duration_s if audio_s > 0 else None,
-        num_preemptions=sum(r.num_preemptions for r in records), errors=errors, **extra)
+        num_preemptions=sum(r.num_preemptions for r in records), errors=errors, groups=groups,
+        plain_out_tok_per_s=groups["plain"]["out_tok_per_s"] if groups and "plain" in groups else None, **extra)

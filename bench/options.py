@@ -43,6 +43,10 @@ class BenchOptions:
     top_p: float | None = None
     top_k: int | None = None
     sampling_seed: int | None = None
+    # Whisper on the in-process engine: every N-th request of the workload decodes with the
+    # timestamp prompt and rules (1: all; None: none); the first output token detects the language
+    timestamps_every: int | None = None
+    detect_language: bool = False
     baselines: tuple[str, ...] = ()
     url: str | None = None
     thresholds: tuple[Threshold, ...] = ()
@@ -69,6 +73,7 @@ class BenchOptions:
             raise BenchInputError("--beam-width with --url benches text completions only: the server's "
                                   "/v1/audio/transcriptions has no beam fields")
         self._validate_sampling()
+        self._validate_whisper_rules()
         sources = [name for name, v in (("--dataset", self.dataset), ("--hf-dataset", self.hf_dataset),
                                         ("--audio-dir", self.audio_dir), ("--audio-manifest", self.audio_manifest))
                    if v]
@@ -101,6 +106,18 @@ class BenchOptions:
             if on:
                 raise BenchInputError(f"{names} sample on the in-process engine, which {what} does not bench "
                                       f"(it decodes greedily or with beams); drop one of them")
+
+    def _validate_whisper_rules(self) -> None:
+        if self.timestamps_every is not None and (isinstance(self.timestamps_every, bool)
+                                                  or self.timestamps_every < 1):
+            raise BenchInputError(f"--timestamps-every must be an integer >= 1 (1: every request), "
+                                  f"got {self.timestamps_every}")
+        names = [n for n, on in (("--timestamps", self.timestamps_every is not None),
+                                 ("--detect-language", self.detect_language)) if on]
+        for on, what in ((self.url, "--url"), (self.baselines, "--baseline")):
+            if names and on:
+                raise BenchInputError(f"{' and '.join(names)} decode on the in-process engine, which {what} does "
+                                      f"not bench (its requests use the checkpoint's default prompt); drop one")
 
     @property
     def sampling(self) -> dict:
@@ -165,6 +182,12 @@ def build_workload(opts: BenchOptions, is_whisper: bool, vocab_size: int | None)
     if opts.sampling:
         reqs = [dataclasses.replace(r, sampling=opts.request_sampling(i)) for i, r in enumerate(reqs)]
         desc["sampling"] = opts.sampling
+    if opts.timestamps_every is not None or opts.detect_language:
+        if not is_whisper:
+            raise BenchInputError("--timestamps / --timestamps-every / --detect-language need a Whisper model")
+        from .whisper_rules import describe
+
+        desc["whisper"] = describe(opts.timestamps_every, opts.detect_language, len(reqs))
     desc["num_distinct_requests"] = len(reqs)
     return reqs, desc
 

@@ -123,12 +123,27 @@ def make_console(**kwargs) -> Console:
     return console if console.is_terminal else Console(width=200, **kwargs)
 
 
+def groups_table(levels: list[LevelMetrics]) -> Table | None:
+    """Levels that mix request kinds (``--timestamps-every``): each kind on its own row."""
+    mixed = [lv for lv in levels if lv.groups]
+    if not mixed:
+        return None
+    t = Table(title="by request kind (out tok/s: the kind's tokens over the level's duration)", title_justify="left")
+    for c in ("backend", "C", "kind", "completed", "out tok/s", "TPOT mean", "E2E p50"):
+        t.add_column(c, justify="left" if c in ("backend", "kind") else "right", no_wrap=True)
+    for lv in mixed:
+        for kind, g in lv.groups.items():
+            t.add_row(lv.backend, str(lv.concurrency), kind, str(g["completed"]), _f(g["out_tok_per_s"]),
+                      _f(g["mean_tpot_ms"]), _f(g["p50_e2e_ms"]))
+    return t
+
+
 def print_tables(levels: list[LevelMetrics], primary: str, title: str, console: Console | None = None) -> None:
     console = console or make_console()
     console.print(results_table(levels, title))
-    side = ratio_table(levels, primary)
-    if side is not None:
-        console.print(side)
+    for extra in (groups_table(levels), ratio_table(levels, primary)):
+        if extra is not None:
+            console.print(extra)
 
 
 def report_dict(meta: dict, levels: list[LevelMetrics], primary: str) -> dict:
@@ -144,6 +159,7 @@ def write_csv(path: str, levels: list[LevelMetrics]) -> None:
     rows = [lv.to_dict() for lv in levels]
     for r in rows:
         r["errors"] = "; ".join(r["errors"])
+        del r["groups"]       # nested; the JSON report holds it, plain_out_tok_per_s is its flat part
 
     def dump(f):
         w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["backend"])

@@ -95,7 +95,7 @@ class EngineTarget:
 
         params = SamplingParams(max_tokens=req.output_len, ignore_eos=True, **({"temperature": 0.0} | req.sampling),
                                 use_beam_search=self.beam_width > 1, best_of=self.beam_width, n=1)
-        rec = RequestRecord(start_s=time.monotonic(), input_len=req.input_len, audio_s=req.audio_s)
+        rec = RequestRecord(start_s=time.monotonic(), input_len=req.input_len, audio_s=req.audio_s, kind=req.kind)
         try:
             handle = self.llm.generate_async(req.prompt, params, streaming=self.streaming)
         except ValueError as e:

@@ -21,6 +21,7 @@ from .loop import Progress, closed_loop
 from .metrics import LevelMetrics, compute_level
 from .options import BenchOptions, _split_warmup, build_workload, cycle_requests
 from .thresholds import check_thresholds
+from .whisper_rules import apply_rules
 from .workloads import BenchRequest
 
 __all__ = ["BenchOptions", "BenchResult", "run_bench"]
@@ -99,6 +100,18 @@ def _device_info(device, url: str | None) -> dict:
     return info
 
 
+def _row_defaults(opts: BenchOptions) -> dict:
+    """A decoder row for every request in flight at the top level (each beam is a row), where
+    neither the config nor the command line sizes ``max_batch_size``: C=256 must not run as 128
+    rows and a queue. An explicit smaller value is kept (queueing is then what is measured), except
+    that beam search raises it in any case (below)."""
+    from enc2dec.engine.config import LlmArgs
+
+    rows = max(opts.concurrency) * opts.beam_width
+    default = next(f.default for f in dataclasses.fields(LlmArgs) if f.name == "max_batch_size")
+    return {"max_batch_size": rows} if rows > default else {}
+
+
 def run_bench(opts: BenchOptions, progress: Progress | None = None,
               on_level: Callable[[list[LevelMetrics], dict], None] | None = None) -> BenchResult:
     """Runs the whole bench; ``on_level(levels_so_far, meta)`` after every level (partial reports)."""
@@ -149,9 +162,18 @@ class _Run:
         opts, meta = self.opts, self.meta
         overrides = dict(opts.engine_overrides, load_format=opts.load_format, dtype=opts.dtype, device=opts.device)
         try:
-            args = build_llm_args(opts.model, opts.config, **overrides)
+            args = build_llm_args(opts.model, opts.config, defaults=_row_defaults(opts), **overrides)
         except ValueError as e:
             raise BenchInputError(f"engine config: {e}") from None
+        if args.tokenizer is None:
+            # Dummy Whisper has no tokenizer: the stand-in transcribe uses encodes the decoder
+            # prompts of --timestamps / --detect-language, and every run detokenizes the same way
+            # (as a real checkpoint's would), so plain and timestamped runs compare like for like.
+            from enc2dec.engine.whisper.tokens import id_only_tokenizer_for
+
+            shim = id_only_tokenizer_for(args.model, args.load_format)
+            if shim is not None:
+                args = dataclasses.replace(args, tokenizer=shim)
         if opts.beam_width > 1:
             # Reserve the beams, and a decoder row for each beam of every request in flight.
             args = dataclasses.replace(args, max_beam_width=max(args.max_beam_width, opts.beam_width),
@@ -165,6 +187,7 @@ class _Run:
             hf_config = getattr(core, "hf_config", None)
             is_whisper = getattr(hf_config, "model_type", None) == "whisper"
             reqs, meta["workload"] = build_workload(opts, is_whisper, getattr(hf_config, "vocab_size", None))
+            reqs = apply_rules(reqs, llm, opts.timestamps_every, opts.detect_language)
             if llm.tokenizer is None and any(r.is_text for r in reqs):
                 raise BenchInputError(f"{next(r.source for r in reqs if r.is_text)}: a text prompt needs a "
                                       f"tokenizer, and {opts.model} has none (dummy weights); use input_ids rows")

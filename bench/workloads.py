@@ -28,6 +28,7 @@ class BenchRequest:
     audio_s: float = 0.0   # seconds of audio (Whisper requests)
     source: str = ""       # where it came from, for error messages: "data.jsonl line 3"
     sampling: dict = field(default_factory=dict, hash=False)   # SamplingParams keywords ({}: greedy)
+    kind: str = "plain"    # Whisper decoding rules it runs ("timestamps", ...); reports split mixed levels by it
 
     @property
     def is_audio(self) -> bool:

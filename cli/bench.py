@@ -125,6 +125,14 @@ def bench(
     top_k: Annotated[OptInt, _work("Sample from the K most likely tokens (0: off).")] = None,
     sampling_seed: Annotated[OptInt, _work("Seeded sampling: request i of the workload gets seed N+i, so "
                                            "runs repeat their tokens.")] = None,
+    timestamps: Annotated[bool, _work("Whisper: decode with the timestamp prompt (no <|notimestamps|>) and "
+                                      "Whisper's timestamp rules, as transcribe --timestamps.")] = False,
+    timestamps_every: Annotated[OptInt, _work("Whisper, mixed workload: only every N-th request is timestamped "
+                                              "(the first included; 64 at C=64: 63 plain beside one); the "
+                                              "report splits each level by request kind.")] = None,
+    detect_language: Annotated[bool, _work("Whisper: the first output token is chosen among the language "
+                                           "tokens (the prompt is <|startoftranscript|> alone), as transcribe "
+                                           "without --language.")] = False,
     baseline: Annotated[Optional[list[str]], _out("hf and/or hf-compile (repeat or comma-separate): "
                                                   "transformers generate on the same requests.")] = None,
     report_json: Annotated[OptStr, _out("Write the JSON report here (rewritten after every level).")] = None,
@@ -168,6 +176,8 @@ def _options(o: dict):
         hf_dataset=hf, audio_dir=o["audio_dir"], audio_manifest=o["audio_manifest"],
         audio_seconds=o["audio_seconds"], streaming=o["streaming"], beam_width=o["beam_width"],
         temperature=o["temperature"], top_p=o["top_p"], top_k=o["top_k"], sampling_seed=o["sampling_seed"],
+        timestamps_every=o["timestamps_every"] if o["timestamps_every"] is not None else (1 if o["timestamps"] else None),
+        detect_language=o["detect_language"],
         baselines=baselines, url=o["url"],
         thresholds=tuple(parse_threshold(t) for t in o["fail_under"] or []),
         command=command_line(o["ctx"], "bench"))

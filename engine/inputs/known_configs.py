@@ -43,12 +43,22 @@ _SUPPRESS_V2 = _SUPPRESS_PREFIX + [50358, 50359, 50360, 50361, 50362]
 _SUPPRESS_V3 = _SUPPRESS_PREFIX + [50359, 50360, 50361, 50362, 50363]
 
 
+# Whisper's language tokens in id order from 50259 (openai/whisper's tokenizer.py order; large-v3
+# adds Cantonese, "yue", as the 100th).
+_WHISPER_LANGUAGES = (
+    "en zh de es ru ko fr ja pt tr pl ca nl ar sv it id hi fi vi he uk el ms cs ro da hu ta no th ur hr bg lt la "
+    "mi ml cy sk te fa lv bn sr az sl kn et mk br eu is hy ne mn bs kk sq sw gl mr pa si km sn yo so af oc ka be "
+    "tg sd gu am yi lo uz fo ht ps tk nn mt sa lb my bo tl mg as tt haw ln ha ba jw su yue"
+).split()
+
+
 def _whisper(d_model: int, layers: int, heads: int, num_mel_bins: int = 80, vocab_size: int = 51865,
-             pad_token_id: int = 50257, v3: bool = False) -> dict:
-    special = 50259 + (100 if v3 else 99)              # first token after the language tokens
+             pad_token_id: int = 50257, v3: bool = False, decoder_layers: int | None = None) -> dict:
+    num_languages = 100 if v3 else 99
+    special = 50259 + num_languages              # first token after the language tokens
     return dict(
         model_type="whisper", architectures=["WhisperForConditionalGeneration"],
-        d_model=d_model, encoder_layers=layers, decoder_layers=layers,
+        d_model=d_model, encoder_layers=layers, decoder_layers=decoder_layers or layers,
         encoder_attention_heads=heads, decoder_attention_heads=heads,
         encoder_ffn_dim=4 * d_model, decoder_ffn_dim=4 * d_model,
         num_mel_bins=num_mel_bins, vocab_size=vocab_size,
@@ -56,9 +66,21 @@ def _whisper(d_model: int, layers: int, heads: int, num_mel_bins: int = 80, voca
         bos_token_id=50257, eos_token_id=50257, pad_token_id=pad_token_id, decoder_start_token_id=50258,
         suppress_tokens=list(_SUPPRESS_V3 if v3 else _SUPPRESS_V2), begin_suppress_tokens=[220, 50257],
         tie_word_embeddings=True,
-        # generation_config.json (lang_to_id: English only, the engine's default prompt)
-        max_length=448, is_multilingual=True, lang_to_id={"<|en|>": 50259},
+        # generation_config.json: every language token, so language detection has its real choice
+        max_length=448, is_multilingual=True,
+        lang_to_id={f"<|{code}|>": 50259 + i for i, code in enumerate(_WHISPER_LANGUAGES[:num_languages])},
         task_to_id={"translate": special, "transcribe": special + 1}, no_timestamps_token_id=special + 5,
+    )
+
+
+def _t5(d_model: int, d_ff: int, num_heads: int, num_layers: int, **extra) -> dict:
+    """The original T5 (v1.0): ReLU feed-forward, input and output embeddings tied."""
+    return dict(
+        model_type="t5", architectures=["T5ForConditionalGeneration"],
+        d_model=d_model, d_ff=d_ff, d_kv=64, num_heads=num_heads, num_layers=num_layers,
+        num_decoder_layers=num_layers, feed_forward_proj="relu", relative_attention_num_buckets=32,
+        relative_attention_max_distance=128, layer_norm_epsilon=1e-6, vocab_size=32128, n_positions=512,
+        tie_word_embeddings=True, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, **extra,
     )
 
 
@@ -67,6 +89,14 @@ _CONFIGS: dict[str, dict] = {
     "google/flan-t5-base": _flan_t5(768, 2048, 12, 12),
     "google/flan-t5-large": _flan_t5(1024, 2816, 16, 24),
     "google/flan-t5-xl": _flan_t5(2048, 5120, 32, 24),
+    "google-t5/t5-base": _t5(768, 3072, 12, 12),
+    # ByT5: bytes as tokens (3 specials + 256 bytes, padded to 384), a deep encoder and a shallow decoder
+    "google/byt5-small": dict(_flan_t5(1472, 3584, 6, 12), vocab_size=384, num_decoder_layers=4),
+    "facebook/bart-large": dict(
+        # config.json names BartModel; the same weights load as the generation class
+        model_type="bart", architectures=["BartForConditionalGeneration"],
+        **_bart_large(50265, activation_function="gelu", scale_embedding=False, forced_bos_token_id=0),
+    ),
     "facebook/bart-large-cnn": dict(
         model_type="bart", architectures=["BartForConditionalGeneration"],
         **_bart_large(50264, activation_function="gelu", scale_embedding=False, forced_bos_token_id=0),
@@ -82,9 +112,16 @@ _CONFIGS: dict[str, dict] = {
     "openai/whisper-medium": _whisper(1024, 24, 16),
     "openai/whisper-large-v3": _whisper(1280, 32, 20, num_mel_bins=128, vocab_size=51866, pad_token_id=50256,
                                         v3=True),
+    # large-v3's encoder with 4 (turbo, fine-tuned) or 2 (distil, distilled) decoder layers
+    "openai/whisper-large-v3-turbo": _whisper(1280, 32, 20, num_mel_bins=128, vocab_size=51866, pad_token_id=50257,
+                                              v3=True, decoder_layers=4),
+    "distil-whisper/distil-large-v3": _whisper(1280, 32, 20, num_mel_bins=128, vocab_size=51866,
+                                               pad_token_id=50256, v3=True, decoder_layers=2),
 }
+# Older hub names that still resolve to the same checkpoint.
+_ALIASES = {"t5-base": "google-t5/t5-base"}
 
-KNOWN_MODELS: list[str] = list(_CONFIGS)
+KNOWN_MODELS: list[str] = [*_CONFIGS, *_ALIASES]
 _GENERATION_IDS = ("decoder_start_token_id", "bos_token_id", "eos_token_id", "pad_token_id", "forced_eos_token_id",
                    "suppress_tokens", "begin_suppress_tokens")
 _GENERATION_ONLY = ("forced_bos_token_id", "max_length", "is_multilingual", "lang_to_id", "task_to_id",
@@ -92,6 +129,7 @@ _GENERATION_ONLY = ("forced_bos_token_id", "max_length", "is_multilingual", "lan
 
 
 def _lookup(name: str) -> tuple[str, dict, dict]:
+    name = _ALIASES.get(name, name)
     key = name if name in _CONFIGS else next((k for k in _CONFIGS if k.split("/", 1)[1] == name), None)
     if key is None:
         raise ValueError(f"model {name!r} is not in the table of known configs; known: {', '.join(KNOWN_MODELS)}")

@@ -119,6 +119,27 @@ class WhisperTokens:
         return [t for t in ids if t < self.eot]
 
 
+def decoding_rules(tokens: WhisperTokens, *, detect_language: bool, timestamps: bool, task: str = "transcribe",
+                   max_initial_timestamp_index: int | None = None) -> tuple[list, int]:
+    """The logits processors of one 30 s window (``SamplingParams.logits_processors``) and how many
+    forced tokens precede its text. ``detect_language``: the first output token is chosen among the
+    language tokens, then the task (and ``<|notimestamps|>`` without timestamps) are forced; the
+    prefix is then ``<|startoftranscript|>`` alone. ``timestamps``: Whisper's timestamp rules. The
+    processors hold no per-request state, so one list serves every window with these options."""
+    from enc2dec.engine.whisper.rules import DetectLanguage, SuppressAtBegin, TimestampRules
+
+    processors, begin = [], 0
+    if detect_language:
+        forced = tokens.forced_after_language(task, timestamps)
+        begin = 1 + len(forced)
+        processors += [DetectLanguage(list(tokens.languages.values()), forced),
+                       SuppressAtBegin(begin, tokens.begin_suppress)]
+    if timestamps:
+        processors.append(TimestampRules(begin, tokens.eot, tokens.no_timestamps, tokens.timestamp_begin,
+                                         max_initial_timestamp_index))
+    return processors, begin
+
+
 class IdOnlyTokenizer:
     """A stand-in tokenizer for checkpoints without one (dummy weights): it encodes strings
     of special tokens (``<|startoftranscript|><|en|>...``), so decoder prefixes can be given,

@@ -1,0 +1,170 @@
+#!/usr/bin/env bash
+# Issue 17's target workloads on one H200 in one call (about 9 minutes), a short table last:
+#   sampled  flan-t5-large 128/128 at C=64: greedy, temperature 0.8 top-p 0.95, the same seeded
+#   whisper  whisper-large-v3 30 s / 96 tokens at C=64: plain, --timestamps, --detect-language, and
+#            63 plain requests beside one timestamped (--timestamps-every 64)
+#   serve    enc2dec serve flan-t5-large (dummy, loopback, in the background, waited for /health)
+#            + enc2dec bench --url --streaming at C=64, against sampled's greedy in-process figure
+#   fast     whisper-large-v3-turbo at C=64 and flan-t5-base at C=256, each against hf-compile
+# Every compared run has the same workload flags; dummy weights, bf16, one run each.
+#
+#   OUT=./gpu-out bash bench/scripts/real_workloads.sh [sampled whisper serve fast]
+#
+# Runs stop at their own limit (*_LIMIT_S) and at the call's budget (TOTAL_S, default 540 s):
+# a run that would start past it is skipped and its row says so. Reports and logs land in $WORK
+# (default /tmp/rw-out), packed into $OUT/real_workloads.tgz. Serve's packages (fastapi, uvicorn,
+# pydantic, python-multipart and their needs, which the GPU image lacks) travel as wheels in .whl/
+# (gitignored; carry it) and go into /tmp/site.
+# SMOKE=1: a CPU dry run of the same logic with tiny models and sizes (flan-t5-small,
+# whisper-tiny, a few requests, --baseline hf instead of hf-compile), so every command line
+# parses and the table prints.
+set -uo pipefail
+cd "$(dirname "$0")/../.."   # the repository root
+REPO=$PWD
+export OUT=$(realpath -m "${OUT:-./gpu-out}")
+export WORK=${WORK:-/tmp/rw-out}
+mkdir -p "$OUT" "$WORK"
+SECTIONS=${*:-sampled whisper serve fast}
+TOTAL_S=${TOTAL_S:-540}
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 HF_HUB_OFFLINE=1
+if ls "$REPO"/.whl/*.whl >/dev/null 2>&1 && [ ! -e /tmp/site/.done ] && [ -z "${SMOKE:-}" ]; then
+  python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      "$REPO"/.whl/*.whl && touch /tmp/site/.done
+fi
+[ -d /tmp/site ] && [ -z "${SMOKE:-}" ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+if [ -z "${SMOKE:-}" ]; then
+  python -m pip install -q --no-deps --no-build-isolation -e . >"$WORK/install.log" 2>&1 || tail -3 "$WORK/install.log"
+  { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+  } | tee "$WORK/machine.txt"
+fi
+if [ -n "${COMMIT:-}" ]; then echo "$COMMIT"; else
+  echo "$(git rev-parse --short HEAD 2>/dev/null)$(git diff --quiet HEAD 2>/dev/null || echo +dirty)"; fi >"$WORK/commit.txt"
+
+if [ -n "${SMOKE:-}" ]; then       # CPU: tiny models, a few short requests
+  T5L=google/flan-t5-small T5B=google/flan-t5-small WH=openai/whisper-tiny WHT=openai/whisper-tiny
+  DT=float32 C=4 CB=8 MIX=4 TXT="--input-len 16 --output-len 8" AUD="--audio-seconds 2 --output-len 6"
+  NUM=8 NUMB=8 FASTBASE=hf LIMIT=${LIMIT_S:-300}
+else
+  T5L=google/flan-t5-large T5B=google/flan-t5-base WH=openai/whisper-large-v3 WHT=openai/whisper-large-v3-turbo
+  DT=bfloat16 C=64 CB=256 MIX=64 TXT="--input-len 128 --output-len 128" AUD="--audio-seconds 30 --output-len 96"
+  NUM=128 NUMB=256 FASTBASE=hf-compile LIMIT=${LIMIT_S:-90}
+fi
+B="python -m enc2dec.cli.main bench"
+# One decoder row per request in flight: fewer CUDA-graph sizes to capture than the default 128.
+COMMON="--load-format dummy --dtype $DT --quiet --warmup 1 --max-batch-size $C"
+T5RUN="--model $T5L $COMMON $TXT --concurrency $C --num-requests $NUM"
+WHRUN="--model $WH $COMMON $AUD --concurrency $C --num-requests $NUM"
+
+left() { echo $((TOTAL_S - SECONDS)); }
+run() {  # run NAME LIMIT ARGS...: one enc2dec bench, skipped when the budget is spent
+  local name=$1 limit=$2 t0=$SECONDS; shift 2
+  local budget=$(left)
+  if [ "$budget" -lt 20 ]; then echo "$name: skipped (budget spent)"; echo "$name" >>"$WORK/skipped.txt"; return; fi
+  [ "$limit" -gt "$budget" ] && limit=$budget
+  echo "enc2dec bench $* --report-json $name.json" >>"$WORK/commands.txt"
+  timeout "$limit" $B "$@" --report-json "$WORK/$name.json" >"$WORK/$name.log" 2>&1
+  echo "$name: exit $? after $((SECONDS - t0)) s"
+}
+
+serve_bench() {  # enc2dec serve in the background, bench --url --streaming against it, then stop it
+  local port=${PORT:-8765} t0=$SECONDS
+  if [ "$(left)" -lt 60 ]; then echo "serve: skipped (budget spent)"; echo http-stream >>"$WORK/skipped.txt"; return; fi
+  echo "enc2dec serve $T5L --load-format dummy --dtype $DT --max-batch-size $C --port $port" >>"$WORK/commands.txt"
+  python -m enc2dec.cli.main serve "$T5L" --load-format dummy --dtype "$DT" --max-batch-size "$C" \
+      --host 127.0.0.1 --port "$port" --log-level warning >"$WORK/serve.log" 2>&1 &
+  local pid=$!
+  if python - "$port" "${SERVE_WAIT_S:-150}" "$pid" <<'PY'
+import os, sys, time, urllib.request
+port, wait_s, pid = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
+end = time.monotonic() + wait_s
+while time.monotonic() < end:
+    try:
+        os.kill(pid, 0)                      # the server died: stop waiting
+    except OSError:
+        sys.exit(1)
+    try:
+        if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200:
+            sys.exit(0)
+    except OSError:
+        pass
+    time.sleep(1)
+sys.exit(1)
+PY
+  then
+    echo "serve: healthy after $((SECONDS - t0)) s"
+    run http-stream $LIMIT --url "http://127.0.0.1:$port" --streaming --quiet --warmup 1 $TXT \
+        --concurrency "$C" --num-requests "$NUM"
+  else
+    echo "serve: not healthy within ${SERVE_WAIT_S:-150} s; last lines of serve.log:"; tail -5 "$WORK/serve.log"
+  fi
+  kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
+}
+
+for section in $SECTIONS; do
+  echo "== $section ($(date -u +%H:%M:%S), $(left) s left)"
+  case $section in
+  sampled)
+    run t5-greedy $LIMIT $T5RUN
+    run t5-sampled $LIMIT $T5RUN --temperature 0.8 --top-p 0.95
+    run t5-seeded $LIMIT $T5RUN --temperature 0.8 --top-p 0.95 --sampling-seed 0 ;;
+  whisper)
+    run wh-plain $LIMIT $WHRUN
+    run wh-timestamps $LIMIT $WHRUN --timestamps
+    run wh-detect $LIMIT $WHRUN --detect-language
+    run wh-mixed $LIMIT $WHRUN --timestamps-every $MIX ;;
+  serve) serve_bench ;;
+  fast)
+    run turbo-hfc ${FAST_LIMIT_S:-$((LIMIT * 2))} --model $WHT $COMMON $AUD --concurrency $C --num-requests $NUM \
+        --baseline $FASTBASE
+    run t5base-hfc ${FAST_LIMIT_S:-$((LIMIT * 2))} --model $T5B ${COMMON/--max-batch-size $C/--max-batch-size $CB} \
+        $TXT --concurrency $CB --num-requests $NUMB --baseline $FASTBASE ;;
+  *) echo "unknown section $section" ;;
+  esac
+done
+tar -czf "$OUT/real_workloads.tgz" -C "$WORK" . 2>/dev/null
+python - "$WORK" "$FASTBASE" "$C" "$CB" <<'PY'
+import json, pathlib, sys
+work, fast_base, c, cb = pathlib.Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+skipped = set((work / "skipped.txt").read_text().split()) if (work / "skipped.txt").exists() else set()
+
+def level(name, backend=None, conc=None):
+    p = work / f"{name}.json"
+    if not p.exists():
+        return None
+    levels = json.loads(p.read_text())["levels"]
+    backend = backend or ("http" if name.startswith("http") else "enc2dec")
+    return next((lv for lv in levels if lv["backend"] == backend and (conc is None or lv["concurrency"] == conc)), None)
+
+def num(v, fmt="{:,.0f}"):
+    return "-" if v is None else fmt.format(v)
+
+print(f"\n{'run':<14}{'backend':<12}{'C':>4}{'out tok/s':>11}{'TPOT ms':>9}{'TTFT ms':>9}{'fail':>5}")
+for p in sorted(work.glob("*.json")):
+    for lv in json.loads(p.read_text())["levels"]:
+        print(f"{p.stem:<14}{lv['backend']:<12}{lv['concurrency']:>4}{num(lv['out_tok_per_s']):>11}"
+              f"{num(lv['mean_tpot_ms'], '{:.2f}'):>9}{num(lv['mean_ttft_ms'], '{:.0f}'):>9}{lv['failed']:>5}")
+for name in sorted(skipped):
+    print(f"{name:<14}skipped: the call's time budget was spent")
+
+def ratio(a, b, key="out_tok_per_s"):
+    return None if a is None or b is None or not b.get(key) else a[key] / b[key]
+
+mixed = level("wh-mixed")
+plain_tpot = (level("wh-plain") or {}).get("mean_tpot_ms")
+mixed_plain_tpot = ((mixed or {}).get("groups") or {}).get("plain", {}).get("mean_tpot_ms")
+rows = [
+    ("t5 sampled / greedy", ratio(level("t5-sampled"), level("t5-greedy")), 0.95),
+    ("t5 seeded / greedy", ratio(level("t5-seeded"), level("t5-greedy")), 0.95),
+    ("whisper timestamps / plain", ratio(level("wh-timestamps"), level("wh-plain")), 0.90),
+    ("whisper detect / plain", ratio(level("wh-detect"), level("wh-plain")), 0.95),
+    ("whisper 63+1 / plain", ratio(mixed, level("wh-plain")), 0.95),
+    ("  its plain TPOT vs plain run", plain_tpot / mixed_plain_tpot if plain_tpot and mixed_plain_tpot else None, 0.95),
+    (f"turbo / {fast_base} C={c}", ratio(level("turbo-hfc", conc=c), level("turbo-hfc", fast_base, c)), 3.0),
+    (f"flan-t5-base / {fast_base} C={cb}", ratio(level("t5base-hfc", conc=cb), level("t5base-hfc", fast_base, cb)), 3.0),
+    ("serve stream / in-process", ratio(level("http-stream"), level("t5-greedy")), 0.90),
+]
+print(f"\n{'target (out tok/s ratios)':<34}{'ratio':>8}{'target':>8}  met")
+for name, r, target in rows:
+    print(f"{name:<34}{num(r, '{:.3f}'):>8}{target:>8.2f}  {'-' if r is None else ('yes' if r >= target else 'NO')}")
+PY
