@@ -38,8 +38,7 @@ def apply_rules(reqs: list[BenchRequest], llm, timestamps_every: int | None,
     """``reqs`` with the prompt and logits processors the options ask for (unchanged when none)."""
     if timestamps_every is None and not detect_language:
         return reqs
-    from enc2dec.engine.whisper.tokens import decoding_rules, engine_whisper_info
-    from enc2dec.engine.whisper.transcribe import MAX_INITIAL_TIMESTAMP_INDEX
+    from enc2dec.engine.whisper.tokens import MAX_INITIAL_TIMESTAMP_INDEX, decoding_rules, engine_whisper_info
 
     try:
         tokens, _, _ = engine_whisper_info(llm)

@@ -119,6 +119,9 @@ class WhisperTokens:
         return [t for t in ids if t < self.eot]
 
 
+MAX_INITIAL_TIMESTAMP_INDEX = 50  # the first segment starts within 1.0 s of the window
+
+
 def decoding_rules(tokens: WhisperTokens, *, detect_language: bool, timestamps: bool, task: str = "transcribe",
                    max_initial_timestamp_index: int | None = None) -> tuple[list, int]:
     """The logits processors of one 30 s window (``SamplingParams.logits_processors``) and how many

@@ -25,13 +25,11 @@ from enc2dec.engine.whisper.longform import (MIN_WINDOW_S, WINDOW_S, Merged, chu
                                              merge_chunk, merged_pieces, monotonic, parse_window)
 from enc2dec.engine.sampling_params import SamplingParams
 from enc2dec.engine.whisper.results import Segment, Transcript, TranscribeProgress
-from enc2dec.engine.whisper.rules import DetectLanguage, SuppressAtBegin, TimestampRules
-from enc2dec.engine.whisper.tokens import engine_whisper_info
+from enc2dec.engine.whisper.tokens import MAX_INITIAL_TIMESTAMP_INDEX, decoding_rules, engine_whisper_info
 
 STRATEGIES = ("chunked", "sequential")
 TASKS = ("transcribe", "translate")
 MAX_WINDOW_TOKENS = 224          # per window, as the original Whisper: half the decoder context
-MAX_INITIAL_TIMESTAMP_INDEX = 50  # the first segment starts within 1.0 s of the window
 
 
 class _DecodeError(RuntimeError):
@@ -223,16 +221,9 @@ class _Run:
         every window of the run: they hold no per-request state."""
         key = (detect, use_ts, cap_first_timestamp)
         if key not in self._rules:
-            tok, processors, begin = self.tokens, [], 0
-            if detect:
-                forced = tok.forced_after_language(self.task, use_ts)
-                begin = 1 + len(forced)
-                processors += [DetectLanguage(list(tok.languages.values()), forced),
-                               SuppressAtBegin(begin, tok.begin_suppress)]
-            if use_ts:
-                processors.append(TimestampRules(begin, tok.eot, tok.no_timestamps, tok.timestamp_begin,
-                                                 MAX_INITIAL_TIMESTAMP_INDEX if cap_first_timestamp else None))
-            self._rules[key] = (processors, begin)
+            self._rules[key] = decoding_rules(
+                self.tokens, detect_language=detect, timestamps=use_ts, task=self.task,
+                max_initial_timestamp_index=MAX_INITIAL_TIMESTAMP_INDEX if cap_first_timestamp else None)
         return self._rules[key]
 
     async def _decode(self, window: np.ndarray, t: Transcript, use_ts: bool,
