@@ -24,7 +24,7 @@ from enc2dec.engine.inputs.processor import InputProcessor, ProcessedInput
 from enc2dec.engine.runner.model_runner import ModelRunner
 from enc2dec.engine.inputs.model_source import resolve_model
 from enc2dec.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from enc2dec.engine.core.request import Request, RequestStatus, Sequence
+from enc2dec.engine.core.request import PLACEHOLDER_TOKEN_ID, Request, RequestStatus, Sequence
 from enc2dec.engine.runner.sampler import SeqSamplingState
 from enc2dec.engine.sampling_params import SamplingParams
 from enc2dec.engine.core.scheduler import Scheduler, SchedulerLimits
@@ -104,12 +104,12 @@ class _Tracked:
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     error: str | None = None
     num_seen_tokens: int = 0     # output tokens of all sequences already reported
+    # Streamed text and stop strings need the text as it grows; beams reorder, so they are
+    # decoded once, at the end (and take no stop strings).
+    detokenizes_per_step: bool = field(init=False)
 
-    @property
-    def detokenizes_per_step(self) -> bool:
-        """Streamed text and stop strings need the text as it grows; beams reorder, so they are
-        decoded once, at the end (and take no stop strings)."""
-        return (self.streaming or bool(self.params.stop)) and self.request.beam is None
+    def __post_init__(self) -> None:
+        self.detokenizes_per_step = (self.streaming or bool(self.params.stop)) and self.request.beam is None
 
 
 class EngineCore:
@@ -266,7 +266,10 @@ class EngineCore:
             req, m = tracked.request, tracked.metrics
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now
-            num_tokens = sum(seq.num_resolved_output_tokens for seq in req.seqs)
+            num_tokens = 0
+            for seq in req.seqs:        # resolved output tokens: a placeholder may trail
+                ids = seq.token_ids
+                num_tokens += len(ids) - (ids[-1] == PLACEHOLDER_TOKEN_ID) - seq.num_hidden_tokens
             if num_tokens > tracked.num_seen_tokens:   # not a step that only fed a prompt token
                 tracked.num_seen_tokens = num_tokens
                 if m.first_token_time is None:

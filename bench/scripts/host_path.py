@@ -90,7 +90,8 @@ def _track(core, req: Request, streaming: bool):
     return _Tracked(req, None, [5] * 128, params, streaming, detoks, RequestMetrics(arrival_time=req.arrival_time))
 
 
-def measure(mode: str, num_running: int, num_steps: int, output_len: int, overlap: bool) -> tuple[float, int]:
+def measure(mode: str, num_running: int, num_steps: int, output_len: int, overlap: bool,
+            clock=time.perf_counter) -> tuple[float, int]:
     """Mean seconds per decode-only step once ``num_running`` sequences decode, and the sequences per step."""
     ids = itertools.count()
     if mode == "scheduler":
@@ -122,9 +123,9 @@ def measure(mode: str, num_running: int, num_steps: int, output_len: int, overla
         add()
     total_s = total_seqs = counted = 0
     for i in range(num_steps + 20):
-        t0 = time.perf_counter()
+        t0 = clock()
         step()
-        dt = time.perf_counter() - t0
+        dt = clock() - t0
         while sched.num_running + sched.num_waiting < num_running:
             add()
         if i >= 20 and not runner.encoded:        # decode-only steps after warm-up
@@ -141,11 +142,14 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--no-overlap", action="store_true", help="wait for each step before the next")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: this process's CPU time, steadier than wall time on a shared machine")
     a = ap.parse_args(argv)
+    clock = time.perf_counter if a.clock == "wall" else time.process_time
     print(f"{'mode':>9} {'running':>8} {'seqs/step':>9} {'us/step':>9} {'us/seq/step':>11}")
     for mode in a.modes.split(","):
         for n in (int(x) for x in a.running.split(",")):
-            per_step_s, seqs = measure(mode, n, a.steps, a.output_len, not a.no_overlap)
+            per_step_s, seqs = measure(mode, n, a.steps, a.output_len, not a.no_overlap, clock)
             print(f"{mode:>9} {n:>8} {seqs:>9} {per_step_s * 1e6:>9.0f} {per_step_s * 1e6 / max(1, seqs):>11.2f}")
 
 

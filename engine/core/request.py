@@ -39,7 +39,7 @@ _seq_counter = itertools.count()
 PLACEHOLDER_TOKEN_ID = -1
 
 
-@dataclass
+@dataclass(slots=True)
 class Sequence:
     """One decoder sequence.
 
@@ -101,7 +101,7 @@ class Sequence:
         return self.status not in _LIVE
 
 
-@dataclass
+@dataclass(slots=True)
 class Request:
     """A user request as the scheduler sees it.
 

@@ -46,10 +46,13 @@ _RUNNING = RequestStatus.RUNNING
 
 
 def _schedulable(req: Request) -> list[Sequence]:
-    """Live sequences that may take another step (not waiting for a resolve to end them)."""
-    max_output = req.max_output_tokens
-    return [s for s in req.seqs
-            if s.status in _LIVE and len(s.token_ids) - s.num_hidden_tokens < max_output]
+    """Live sequences that may take another step (not waiting for a resolve to end them).
+    Read-only: it may be ``req.seqs`` itself."""
+    seqs, max_output = req.seqs, req.max_output_tokens
+    if len(seqs) == 1:              # most requests: no list to build
+        s = seqs[0]
+        return seqs if s.status in _LIVE and len(s.token_ids) - s.num_hidden_tokens < max_output else []
+    return [s for s in seqs if s.status in _LIVE and len(s.token_ids) - s.num_hidden_tokens < max_output]
 
 
 @dataclass
@@ -154,9 +157,9 @@ class Scheduler(BeamScheduling):
             seqs = _schedulable(req)
             if req.has_step_in_flight:
                 self._reserve(req, seqs, budget)    # paused until resolve() brings its tokens
-            elif self._grow_self_blocks(req, seqs, out):
-                self._emit_seqs(req, seqs, out, budget)
-            else:
+            # Beams grow (and copy shared blocks) first; other requests only when they cross a block.
+            elif (req.beam is not None and not self._grow_self_blocks(req, seqs, out)
+                  or not self._emit_seqs(req, seqs, out, budget)):
                 break   # req was the newest running request and preempted itself
         # Running sequences feed one token each, and admission kept their count within budget.
         assert budget.num_tokens <= self.limits.max_num_tokens, "was update() skipped?"
@@ -238,13 +241,16 @@ class Scheduler(BeamScheduling):
         budget.num_tokens += req.encoder_len
         self._emit_seqs(req, _schedulable(req), out, budget)
 
-    def _emit_seqs(self, req: Request, seqs: list[Sequence], out: SchedulerOutput, budget: _StepBudget) -> None:
+    def _emit_seqs(self, req: Request, seqs: list[Sequence], out: SchedulerOutput, budget: _StepBudget) -> bool:
+        """Schedule ``seqs`` (req's schedulable sequences), first growing their block tables where
+        they need it; False if that preempted req itself (then nothing is scheduled)."""
         one_prompt_token = self.limits.feed_prompt_one_token_per_step
         tpb, max_output = self.limits.tokens_per_block, req.max_output_tokens
         rid, cross_ids, encoder_len = req.request_id, req.cross_block_ids, req.encoder_len
         host_ids = req.needs_host_tokens and (req.beam is None or req.beam.needs_token_ids)
         num_tokens_fed = num_growth = 0
-        emit = out.seqs.append
+        needs_blocks = False
+        batch = []
         for seq in seqs:
             start, token_ids, hidden = seq.num_computed_tokens, seq.token_ids, seq.num_hidden_tokens
             num_tokens = len(token_ids)
@@ -255,15 +261,23 @@ class Scheduler(BeamScheduling):
             if host_ids:
                 assert token_ids[-1] != PLACEHOLDER_TOKEN_ID, f"seq {seq.seq_id}: its last token is not sampled yet"
                 scheduled.output_token_ids = token_ids[hidden:]
-            emit(scheduled)
+            batch.append(scheduled)
+            needs_blocks = needs_blocks or len(seq.block_ids) * tpb < num_tokens
             num_tokens_fed += end - start
             # The next step needs one more block at a boundary, unless this step is its last.
             num_growth += num_tokens % tpb == 0 and num_tokens - hidden + 1 < max_output
+        if needs_blocks:            # one step in tokens_per_block: this one crosses into a new block
+            if not self._grow_self_blocks(req, seqs, out):
+                return False
+            for seq, scheduled in zip(seqs, batch):
+                scheduled.block_ids = seq.block_ids
+        out.seqs += batch
         budget.num_tokens += num_tokens_fed
         budget.num_seqs += len(seqs)
         budget.num_growth_blocks += num_growth
         if req.beam is not None:
             self._reserve_unexpanded_beams(req, seqs, budget)
+        return True
 
     def _reserve(self, req: Request, seqs: list[Sequence], budget: _StepBudget) -> None:
         """Keep a paused request's rows and the blocks its next step needs out of admission's reach:
@@ -347,7 +361,11 @@ class Scheduler(BeamScheduling):
                 if seq.logprobs is None:
                     seq.logprobs = []
                 seq.logprobs.append(sampled.top_logprobs)
-            status, stop_reason = check_stop(req, seq, sampled.token_id, index + 1)
+            token_id = sampled.token_id
+            if (index + 1 - seq.num_hidden_tokens < req.max_output_tokens and token_id not in req.eos_token_ids
+                    and token_id not in req.stop_token_ids):
+                continue        # the common step: check_stop would go on
+            status, stop_reason = check_stop(req, seq, token_id, index + 1)
             if status is not None:
                 done = self._finish(req, seq, status, stop_reason)
                 if done is not None:
