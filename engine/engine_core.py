@@ -93,7 +93,7 @@ def _check_beam_search(params: SamplingParams, max_beam_width: int) -> None:
                          "deterministic and ranks whole hypotheses; drop these options or decode without beams")
 
 
-@dataclass
+@dataclass(slots=True)
 class _Tracked:
     request: Request
     prompt: str | None

@@ -61,8 +61,10 @@ class FakeRunner:
 
 
 class FakeTokenizer:
+    """One character per token, at almost no cost: what is left is the engine's work."""
+
     def decode(self, ids, skip_special_tokens=True) -> str:
-        return "".join("abcdefgh"[i % 8] for i in ids)
+        return "x" * len(ids)
 
 
 def _engine(num_running: int, output_len: int, overlap: bool):

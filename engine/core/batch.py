@@ -37,7 +37,7 @@ class ScheduledSeq:
     cross_block_ids: list[int]
     encoder_len: int
     num_output_tokens: int        # output tokens before this step (min_tokens, begin-suppress)
-    cumulative_logprob: float = 0.0   # the beam's running score (beam search adds it to its candidates)
+    cumulative_logprob: float = 0.0   # the running score; beam search adds it to its candidates
     # The output ids so far, sent only for requests whose Python logits processors read them
     # (Request.needs_host_tokens): such a request is not scheduled while a step of it is in
     # flight, so these are real tokens, never a placeholder. Beams reorder every step, so the
@@ -78,7 +78,7 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.seqs)
 
 
-@dataclass
+@dataclass(slots=True)
 class SampledToken:
     token_id: int
     logprob: float = 0.0                       # log-probability of token_id (0.0 when not asked)

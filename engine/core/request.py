@@ -31,7 +31,7 @@ class RequestStatus(enum.Enum):
         return self.value if self.is_finished else None
 
 
-_LIVE = (RequestStatus.WAITING, RequestStatus.RUNNING)   # a plain tuple: the hot loops test it
+LIVE_STATUSES = (RequestStatus.WAITING, RequestStatus.RUNNING)   # a plain tuple: the hot loops test it
 _seq_counter = itertools.count()
 
 # With the overlap scheduler a sequence's newest token is appended before the GPU has
@@ -98,7 +98,7 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status not in _LIVE
+        return self.status not in LIVE_STATUSES
 
 
 @dataclass(slots=True)
@@ -141,8 +141,8 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return all(s.status not in _LIVE for s in self.seqs)
+        return all(s.status not in LIVE_STATUSES for s in self.seqs)
 
     @property
     def live_seqs(self) -> list[Sequence]:
-        return [s for s in self.seqs if s.status in _LIVE]
+        return [s for s in self.seqs if s.status in LIVE_STATUSES]

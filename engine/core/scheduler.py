@@ -38,7 +38,7 @@ from enc2dec.engine.core.admission import SchedulerLimits, admission_error  # no
 from enc2dec.engine.core.batch import ModelRunnerOutput, ScheduledEncode, ScheduledSeq, SchedulerOutput
 from enc2dec.engine.core.beam_scheduling import BeamScheduling
 from enc2dec.engine.core.block_manager import BlockPool, blocks_needed
-from enc2dec.engine.core.request import _LIVE, PLACEHOLDER_TOKEN_ID, Request, RequestStatus, Sequence
+from enc2dec.engine.core.request import LIVE_STATUSES, PLACEHOLDER_TOKEN_ID, Request, RequestStatus, Sequence
 from enc2dec.engine.core.stop_rules import check_stop
 
 
@@ -51,8 +51,8 @@ def _schedulable(req: Request) -> list[Sequence]:
     seqs, max_output = req.seqs, req.max_output_tokens
     if len(seqs) == 1:              # most requests: no list to build
         s = seqs[0]
-        return seqs if s.status in _LIVE and len(s.token_ids) - s.num_hidden_tokens < max_output else []
-    return [s for s in seqs if s.status in _LIVE and len(s.token_ids) - s.num_hidden_tokens < max_output]
+        return seqs if s.status in LIVE_STATUSES and len(s.token_ids) - s.num_hidden_tokens < max_output else []
+    return [s for s in seqs if s.status in LIVE_STATUSES and len(s.token_ids) - s.num_hidden_tokens < max_output]
 
 
 @dataclass
