@@ -1,6 +1,6 @@
 """The engine: input processing, the step loop and output processing, in one thread.
 
-    step():  schedule -> launch -> update (overlap: advance now, resolve next step) -> outputs
+    step():  schedule -> launch -> advance -> resolve (overlap: the previous step) -> outputs
 
 ``make_request`` validates and may raise ``ValueError``; it runs in the caller's thread and
 touches no engine state, so a bad request never disturbs the requests in flight.
@@ -24,7 +24,7 @@ from enc2dec.engine.inputs.processor import InputProcessor, ProcessedInput
 from enc2dec.engine.runner.model_runner import ModelRunner
 from enc2dec.engine.inputs.model_source import resolve_model
 from enc2dec.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from enc2dec.engine.core.request import Request, RequestStatus, Sequence
+from enc2dec.engine.core.request import PLACEHOLDER_TOKEN_ID, Request, RequestStatus, Sequence
 from enc2dec.engine.runner.sampler import SeqSamplingState
 from enc2dec.engine.sampling_params import SamplingParams
 from enc2dec.engine.core.scheduler import Scheduler, SchedulerLimits
@@ -96,7 +96,7 @@ def _check_beam_search(params: SamplingParams, max_beam_width: int) -> None:
                          "deterministic and ranks whole hypotheses; drop these options or decode without beams")
 
 
-@dataclass
+@dataclass(slots=True)
 class _Tracked:
     request: Request
     prompt: str | None
@@ -107,6 +107,12 @@ class _Tracked:
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     error: str | None = None
     num_seen_tokens: int = 0     # output tokens of all sequences already reported
+    # Streamed text and stop strings need the text as it grows; beams reorder, so they are
+    # decoded once, at the end (and take no stop strings).
+    detokenizes_per_step: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.detokenizes_per_step = (self.streaming or bool(self.params.stop)) and self.request.beam is None
 
 
 class EngineCore:
@@ -214,11 +220,11 @@ class EngineCore:
 
     # ---- the loop -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """schedule -> launch -> (overlap: resolve the previous step while this one runs)."""
-        if self._inflight is not None and self._needs_sync():
-            outputs = self._resolve_inflight()      # host-side logits processors need real tokens
-            return outputs + self.step()
+        """schedule -> launch -> advance -> resolve the previous step (overlap) or this one."""
         so = self.scheduler.schedule()
+        if so.is_empty and self._inflight is not None:
+            # All that runs waits for the step in flight (a request that needs its tokens): take it now.
+            return self._resolve_inflight() + self.step()
         launched = None
         if not so.is_empty:
             try:
@@ -228,26 +234,16 @@ class EngineCore:
             except Exception as e:  # noqa: BLE001 - fail this step's requests, keep serving the rest
                 logger.exception("engine step failed")
                 return self._resolve_inflight() + self._fail_step(so, f"engine error: {type(e).__name__}: {e}")
-            if not self.overlap:
-                return self._finish_step(*launched, self.scheduler.update)
             self.scheduler.advance(so)
         outputs = self._resolve_inflight()
         self._inflight = launched
-        return outputs
+        return outputs if self.overlap else outputs + self._resolve_inflight()
 
     def _resolve_inflight(self) -> list[RequestOutput]:
         if self._inflight is None:
             return []
         so, pending = self._inflight
         self._inflight = None
-        return self._finish_step(so, pending, self.scheduler.resolve)
-
-    def _needs_sync(self) -> bool:
-        # Host-side logits processors need real tokens; beam search needs the surviving beams
-        # (and their block copies) before it can schedule their next step.
-        return any(t.request.needs_host_tokens for t in self._live.values())
-
-    def _finish_step(self, so: SchedulerOutput, pending, apply) -> list[RequestOutput]:
         try:
             ro = pending.wait()
         except TensorParallelError:
@@ -255,37 +251,47 @@ class EngineCore:
         except Exception as e:  # noqa: BLE001 - an asynchronous device error surfaces here
             logger.exception("engine step failed")
             return self._fail_step(so, f"engine error: {type(e).__name__}: {e}")
-        finished = {r.request_id for r in apply(so, ro)}
+        finished = self.scheduler.resolve(so, ro)
+        return self._process_outputs(so, {r.request_id for r in finished})
+
+    def _process_outputs(self, so: SchedulerOutput, finished: set[str]) -> list[RequestOutput]:
+        """Metrics, detokenisation, stop strings and streaming for the requests of a resolved step,
+        in O(new tokens): each sequence's detokenizer is fed only the tokens it has not seen."""
         now = time.monotonic()
-        touched = dict.fromkeys(s.request_id for s in so.seqs)
-        for rid in touched:
-            tracked = self._live.get(rid)
+        outputs, last_rid, live = [], None, self._live
+        for scheduled in so.seqs:
+            rid = scheduled.request_id
+            if rid == last_rid:
+                continue                            # a request's sequences are scheduled together
+            last_rid = rid
+            tracked = live.get(rid)
             if tracked is None:
                 continue
-            m = tracked.metrics
-            m.first_scheduled_time = m.first_scheduled_time or now
-            num_tokens = sum(len(seq.resolved_output_token_ids) for seq in tracked.request.seqs)
+            req, m = tracked.request, tracked.metrics
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time = now
+            num_tokens = 0
+            for seq in req.seqs:        # resolved output tokens: a placeholder may trail
+                ids = seq.token_ids
+                num_tokens += len(ids) - (ids[-1] == PLACEHOLDER_TOKEN_ID) - seq.num_hidden_tokens
             if num_tokens > tracked.num_seen_tokens:   # not a step that only fed a prompt token
                 tracked.num_seen_tokens = num_tokens
-                m.first_token_time = m.first_token_time or now
+                if m.first_token_time is None:
+                    m.first_token_time = now
                 m.token_times.append(now)
-            if tracked.streaming or tracked.params.stop:
-                for seq, detok in zip(tracked.request.seqs, tracked.detoks):
-                    detok.update(seq.resolved_output_token_ids)
+            if tracked.detokenizes_per_step:
+                for seq, detok in zip(req.seqs, tracked.detoks):
+                    end = seq.num_resolved_tokens
+                    detok.add(seq.token_ids[seq.num_hidden_tokens + detok.num_tokens:end])
                     if detok.stop_matched is not None and not seq.is_finished:
                         if self.scheduler.finish_seq(seq, RequestStatus.FINISHED_STOPPED, detok.stop_matched):
                             finished.add(rid)
-        outputs = []
-        for rid in touched:
-            tracked = self._live.get(rid)
-            if tracked is None:
-                continue
             if rid in finished:
-                del self._live[rid]
-                tracked.metrics.finished_time = now
-                tracked.metrics.num_preemptions = tracked.request.num_preemptions
+                del live[rid]
+                m.finished_time = now
+                m.num_preemptions = req.num_preemptions
                 outputs.append(self._output(tracked, finished=True))
-            elif tracked.streaming and tracked.request.beam is None:   # beams reorder: final output only
+            elif tracked.streaming and req.beam is None:   # beams reorder: final output only
                 outputs.append(self._output(tracked, finished=False))
         return outputs
 
@@ -298,13 +304,13 @@ class EngineCore:
             return self._beam_output(tracked)
         outs = []
         for seq, detok in zip(tracked.request.seqs, tracked.detoks):
-            ids = seq.resolved_output_token_ids
+            ids = seq.resolved_output_token_ids    # a copy: the caller may keep it
             if finished:
                 detok.finish(ids)
             status = seq.status if seq.status.is_finished else (
                 RequestStatus.FINISHED_ABORTED if finished else seq.status)
             outs.append(CompletionOutput(
-                index=seq.index, text=detok.text, token_ids=list(ids),
+                index=seq.index, text=detok.text, token_ids=ids,
                 finish_reason=status.finish_reason, stop_reason=seq.stop_reason,
                 cumulative_logprob=seq.cumulative_logprob if tracked.params.logprobs is not None else None,
                 logprobs=list(seq.logprobs) if seq.logprobs is not None else None))

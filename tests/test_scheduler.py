@@ -92,12 +92,16 @@ def check_blocks(sched: Scheduler) -> None:
         assert all(not s.block_ids for s in req.seqs if s.is_finished)
 
 
-def check_limits(sched: Scheduler, so: SchedulerOutput) -> None:
+def check_limits(sched: Scheduler, so: SchedulerOutput, exclude_ended: bool = False) -> None:
+    """``exclude_ended``: with overlap, a sequence whose last token is still a placeholder holds no
+    row any more (it only waits for resolve() to end it)."""
     lim = sched.limits
     assert len(so.encodes) <= lim.encoder_max_batch_size
     assert so.num_encoder_tokens <= lim.encoder_max_num_tokens
     assert len(so.seqs) <= lim.max_batch_size
-    assert sched.num_running_seqs <= lim.max_batch_size
+    assert sum(len(r.live_seqs) if not exclude_ended else
+               sum(s.num_output_tokens < r.max_output_tokens for s in r.live_seqs)
+               for r in sched.running) <= lim.max_batch_size
     assert so.num_encoder_tokens + so.num_decoder_tokens <= lim.max_num_tokens
     for s in so.seqs:   # block tables cover every position written this step
         assert len(s.block_ids) * lim.tokens_per_block >= s.seq_len

@@ -1,11 +1,19 @@
-"""Host cost of one engine step with no model: the scheduler's schedule/advance/resolve around
-a fake runner that returns a token for every sequence at once. What this measures is what a
-small, fast model (whisper-large-v3-turbo, flan-t5-base) cannot hide behind its GPU step.
+"""Host cost of one engine step with no model: what a small, fast model (whisper-large-v3-turbo,
+flan-t5-base) cannot hide behind its GPU step. A lab script (bench/scripts is not installed).
 
     python bench/scripts/host_path.py --running 64,128,256 --steps 400
 
-Prints microseconds per step and per running sequence per step (the figure the host-path
-target is stated in). Pure Python: it runs on any machine, with no torch.
+Modes (``--modes``, a comma list):
+  scheduler  Scheduler.schedule/advance/resolve around a fake runner (the policy alone)
+  engine     EngineCore.step() with a fake runner: the policy plus output processing (metrics,
+             stop rules, finished outputs), for non-streamed requests (LLM.generate's path)
+  stream     the same with every request streamed and detokenised each step (a fake
+             tokenizer: this measures the engine's work, not a tokenizer's)
+
+The fake runner returns a token for every sequence at once; the overlap scheduler is on
+unless ``--no-overlap``. A finished request is replaced at once, as under a steady load,
+and steps that encode are left out. Prints microseconds per step and per running sequence
+per step (the figure the host-path target is stated in). Runs on any machine, no GPU.
 """
 from __future__ import annotations
 
@@ -17,6 +25,8 @@ from enc2dec.engine.core.batch import ModelRunnerOutput, SampledToken
 from enc2dec.engine.core.request import Request, Sequence
 from enc2dec.engine.core.scheduler import Scheduler, SchedulerLimits
 
+TOKEN = SampledToken(7, -0.5)
+
 
 def _request(i: int, output_len: int) -> Request:
     return Request(request_id=f"r{i}", encoder_len=128, encoder_input=[5] * 128,
@@ -24,37 +34,105 @@ def _request(i: int, output_len: int) -> Request:
                    eos_token_ids=frozenset({1}), ignore_eos=True)
 
 
-def measure(num_running: int, num_steps: int, output_len: int, overlap: bool) -> tuple[float, int]:
-    """Mean seconds per step once ``num_running`` sequences decode, and the sequences per step."""
+def _scheduler(num_running: int, output_len: int) -> Scheduler:
     limits = SchedulerLimits(max_batch_size=num_running, max_num_tokens=max(8192, 129 * num_running),
                              encoder_max_batch_size=num_running, encoder_max_num_tokens=1 << 30,
                              tokens_per_block=32)
-    blocks = num_running * (output_len // 32 + 2)
-    sched = Scheduler(limits, num_self_blocks=blocks, num_cross_blocks=num_running * 4)
+    return Scheduler(limits, num_self_blocks=num_running * (output_len // 32 + 2), num_cross_blocks=num_running * 4)
+
+
+class _Done:
+    def __init__(self, out: ModelRunnerOutput):
+        self.out = out
+
+    def wait(self) -> ModelRunnerOutput:
+        return self.out
+
+
+class FakeRunner:
+    """Samples TOKEN for every sequence; remembers what the last step held."""
+
+    def __init__(self):
+        self.encoded, self.num_seqs = False, 0
+
+    def launch(self, so):
+        self.encoded, self.num_seqs = bool(so.encodes), len(so.seqs)
+        return _Done(ModelRunnerOutput(sampled={s.seq_id: TOKEN for s in so.seqs}))
+
+
+class FakeTokenizer:
+    """One character per token, at almost no cost: what is left is the engine's work."""
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return "x" * len(ids)
+
+
+def _engine(num_running: int, output_len: int, overlap: bool):
+    """An EngineCore around the fake runner, built without a model (only the step loop runs)."""
+    from enc2dec.engine.engine_core import EngineCore
+
+    core = object.__new__(EngineCore)
+    core.scheduler = _scheduler(num_running, output_len)
+    core.runner = FakeRunner()
+    core.tokenizer = FakeTokenizer()
+    core.overlap = overlap
+    core._inflight = None
+    core._live = {}
+    return core
+
+
+def _track(core, req: Request, streaming: bool):
+    from enc2dec.engine.engine_core import _Tracked
+    from enc2dec.engine.inputs.detokenizer import IncrementalDetokenizer
+    from enc2dec.engine.outputs import RequestMetrics
+    from enc2dec.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=req.max_output_tokens, ignore_eos=True, temperature=0.0)
+    detoks = [IncrementalDetokenizer(core.tokenizer) for _ in req.seqs]
+    return _Tracked(req, None, [5] * 128, params, streaming, detoks, RequestMetrics(arrival_time=req.arrival_time))
+
+
+def measure(mode: str, num_running: int, num_steps: int, output_len: int, overlap: bool,
+            clock=time.perf_counter) -> tuple[float, int]:
+    """Mean seconds per decode-only step once ``num_running`` sequences decode, and the sequences per step."""
     ids = itertools.count()
-    for _ in range(num_running):
-        sched.add_request(_request(next(ids), output_len))
-    token = SampledToken(7, -0.5)
-    pending = None
-    total_s = total_seqs = counted = 0
-    for step in range(num_steps + 20):
-        t0 = time.perf_counter()
-        so = sched.schedule()
-        runner_out = ModelRunnerOutput(sampled={s.seq_id: token for s in so.seqs})
-        if overlap:
+    if mode == "scheduler":
+        sched, runner, pending = _scheduler(num_running, output_len), FakeRunner(), None
+
+        def add():
+            sched.add_request(_request(next(ids), output_len))
+
+        def step() -> None:
+            nonlocal pending
+            so = sched.schedule()
+            runner_out = runner.launch(so).wait()
+            if not overlap:
+                sched.update(so, runner_out)
+                return
             sched.advance(so)
             if pending is not None:
                 sched.resolve(*pending)
             pending = (so, runner_out)
-        else:
-            sched.update(so, runner_out)
-        dt = time.perf_counter() - t0
-        # Keep the batch full: a finished request is replaced, as under a steady load.
+    else:
+        core = _engine(num_running, output_len, overlap)
+        sched, runner = core.scheduler, core.runner
+
+        def add():
+            core.add(_track(core, _request(next(ids), output_len), streaming=mode == "stream"))
+
+        step = core.step
+    for _ in range(num_running):
+        add()
+    total_s = total_seqs = counted = 0
+    for i in range(num_steps + 20):
+        t0 = clock()
+        step()
+        dt = clock() - t0
         while sched.num_running + sched.num_waiting < num_running:
-            sched.add_request(_request(next(ids), output_len))
-        if step >= 20 and not so.encodes:        # decode-only steps after warm-up
+            add()
+        if i >= 20 and not runner.encoded:        # decode-only steps after warm-up
             total_s += dt
-            total_seqs += len(so.seqs)
+            total_seqs += runner.num_seqs
             counted += 1
     return total_s / max(1, counted), total_seqs // max(1, counted)
 
@@ -62,14 +140,19 @@ def measure(num_running: int, num_steps: int, output_len: int, overlap: bool) ->
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--running", default="64,128,256", help="running sequences, a comma list")
+    ap.add_argument("--modes", default="scheduler,engine,stream", help="scheduler, engine, stream: a comma list")
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--no-overlap", action="store_true", help="schedule/update instead of advance/resolve")
+    ap.add_argument("--no-overlap", action="store_true", help="wait for each step before the next")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: this process's CPU time, steadier than wall time on a shared machine")
     a = ap.parse_args(argv)
-    print(f"{'running':>8} {'seqs/step':>9} {'us/step':>9} {'us/seq/step':>11}")
-    for n in (int(x) for x in a.running.split(",")):
-        per_step_s, seqs = measure(n, a.steps, a.output_len, not a.no_overlap)
-        print(f"{n:>8} {seqs:>9} {per_step_s * 1e6:>9.0f} {per_step_s * 1e6 / max(1, seqs):>11.2f}")
+    clock = time.perf_counter if a.clock == "wall" else time.process_time
+    print(f"{'mode':>9} {'running':>8} {'seqs/step':>9} {'us/step':>9} {'us/seq/step':>11}")
+    for mode in a.modes.split(","):
+        for n in (int(x) for x in a.running.split(",")):
+            per_step_s, seqs = measure(mode, n, a.steps, a.output_len, not a.no_overlap, clock)
+            print(f"{mode:>9} {n:>8} {seqs:>9} {per_step_s * 1e6:>9.0f} {per_step_s * 1e6 / max(1, seqs):>11.2f}")
 
 
 if __name__ == "__main__":

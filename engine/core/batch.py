@@ -23,9 +23,11 @@ class ScheduledEncode:
     seq_indices: list[int] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
-    """One decoder sequence to advance by one sampled token this step."""
+    """One decoder sequence to advance by one sampled token this step (built for every running
+    sequence every step: slots keep that cheap). ``block_ids`` is the sequence's own list, shared:
+    the scheduler replaces a sequence's list rather than changing it, so this one stays as scheduled."""
 
     seq_id: int
     request_id: str
@@ -35,11 +37,11 @@ class ScheduledSeq:
     cross_block_ids: list[int]
     encoder_len: int
     num_output_tokens: int        # output tokens before this step (min_tokens, begin-suppress)
-    cumulative_logprob: float = 0.0   # the beam's running score (beam search adds it to its candidates)
+    cumulative_logprob: float = 0.0   # the running score; beam search adds it to its candidates
     # The output ids so far, sent only for requests whose Python logits processors read them
-    # (Request.needs_host_tokens): such a request is scheduled only once its previous step is
-    # resolved, so these are real tokens. Beams reorder every step, so the runner could not
-    # keep their histories itself anyway.
+    # (Request.needs_host_tokens): such a request is not scheduled while a step of it is in
+    # flight, so these are real tokens, never a placeholder. Beams reorder every step, so the
+    # runner could not keep their histories itself anyway.
     output_token_ids: list[int] | None = None
 
     @property
@@ -76,7 +78,7 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.seqs)
 
 
-@dataclass
+@dataclass(slots=True)
 class SampledToken:
     token_id: int
     logprob: float = 0.0                       # log-probability of token_id (0.0 when not asked)

@@ -28,13 +28,15 @@ class BeamScheduling:
 
     def _copy_on_write(self, seq: Sequence, out: SchedulerOutput) -> None:
         first = seq.num_computed_tokens // self.limits.tokens_per_block
-        for i in range(first, len(seq.block_ids)):
-            block_id = seq.block_ids[i]
+        block_ids = list(seq.block_ids)    # a new list: an earlier ScheduledSeq may hold the old one
+        for i in range(first, len(block_ids)):
+            block_id = block_ids[i]
             if self.self_pool.ref_count(block_id) > 1:
                 (copy_id,) = self.self_pool.allocate(1)
                 out.block_copies.append((block_id, copy_id))
                 self.self_pool.free([block_id])
-                seq.block_ids[i] = copy_id
+                block_ids[i] = copy_id
+        seq.block_ids = block_ids
 
     @staticmethod
     def _num_unexpanded_beams(req: Request, seqs: list[Sequence]) -> int:
@@ -80,7 +82,9 @@ class BeamScheduling:
             child.index = rank
             child.token_ids.append(cand.token_id)
             child.cumulative_logprob = cand.cumulative_logprob     # the device's float32 sum, as ranked
-            if req.beam.keep_logprobs:
-                child.logprobs = (child.logprobs or []) + [{cand.token_id: cand.logprob}]
+            if req.beam.keep_logprobs:     # in place: a fork copied its parent's list above
+                if child.logprobs is None:
+                    child.logprobs = []
+                child.logprobs.append({cand.token_id: cand.logprob})
         req.seqs = [child for child, _ in survivors]
         return None

@@ -31,6 +31,7 @@ class RequestStatus(enum.Enum):
         return self.value if self.is_finished else None
 
 
+LIVE_STATUSES = (RequestStatus.WAITING, RequestStatus.RUNNING)   # a plain tuple: the hot loops test it
 _seq_counter = itertools.count()
 
 # With the overlap scheduler a sequence's newest token is appended before the GPU has
@@ -38,7 +39,7 @@ _seq_counter = itertools.count()
 PLACEHOLDER_TOKEN_ID = -1
 
 
-@dataclass
+@dataclass(slots=True)
 class Sequence:
     """One decoder sequence.
 
@@ -48,6 +49,7 @@ class Sequence:
     the whole Whisper prompt); so a forced BOS is returned and counts as output.
     ``num_computed_tokens`` decoder tokens have their K/V in the self-attention pool;
     a step computes ``token_ids[num_computed_tokens:]`` and samples one token after.
+    ``block_ids`` is replaced, never mutated in place, so a ``ScheduledSeq`` may share it.
     """
 
     token_ids: list[int]
@@ -70,10 +72,20 @@ class Sequence:
         return self.token_ids[self.num_hidden_tokens:]
 
     @property
+    def num_resolved_tokens(self) -> int:
+        """Tokens without the trailing placeholder (a token the GPU is still sampling). Placeholders
+        only ever trail, and the engine looks between steps, when at most one is pending."""
+        ids = self.token_ids
+        return len(ids) - (ids[-1] == PLACEHOLDER_TOKEN_ID)
+
+    @property
+    def num_resolved_output_tokens(self) -> int:
+        return self.num_resolved_tokens - self.num_hidden_tokens
+
+    @property
     def resolved_output_token_ids(self) -> list[int]:
-        """Output ids without a trailing placeholder (a token the GPU is still sampling)."""
-        ids = self.token_ids[self.num_hidden_tokens:]
-        return ids[:-1] if ids and ids[-1] == PLACEHOLDER_TOKEN_ID else ids
+        """Output ids without a trailing placeholder (a copy: O(length), for final outputs)."""
+        return self.token_ids[self.num_hidden_tokens:self.num_resolved_tokens]
 
     @property
     def num_output_tokens(self) -> int:
@@ -86,10 +98,10 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.status not in LIVE_STATUSES
 
 
-@dataclass
+@dataclass(slots=True)
 class Request:
     """A user request as the scheduler sees it.
 
@@ -114,8 +126,10 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     num_preemptions: int = 0
     # A step needs the previous step's tokens on the host (SamplingParams.needs_host_tokens):
-    # the scheduler sends the output ids with each of its sequences.
+    # the scheduler sends the output ids with each of its sequences, and so never schedules the
+    # request while a step of it is in flight (launched, not yet resolved): it pauses alone.
     needs_host_tokens: bool = False
+    has_step_in_flight: bool = False
     # Beam search (a beam_search.BeamState): ``seqs`` are then the running beams, best first,
     # starting from one; finished hypotheses live in the state, not in ``seqs``.
     beam: Any = None
@@ -127,8 +141,8 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        return all(s.status not in LIVE_STATUSES for s in self.seqs)
 
     @property
     def live_seqs(self) -> list[Sequence]:
-        return [s for s in self.seqs if not s.is_finished]
+        return [s for s in self.seqs if s.status in LIVE_STATUSES]

@@ -1,14 +1,17 @@
 """Continuous-batching policy: which requests to encode, which sequences to decode.
 
-Pure Python (no torch). One step is ``schedule()`` -> model runner -> ``update()``;
-the two calls must alternate (``update`` of step N before ``schedule`` of step N+1),
-because ``schedule`` reads the tokens and ``num_computed_tokens`` that ``update`` writes.
+Pure Python (no torch). A step is ``schedule()`` -> model runner -> ``advance()`` ->
+``resolve()``: ``advance`` accounts the launched step's tokens (``num_computed_tokens``, and
+a placeholder for each sampled token), ``resolve`` writes the sampled tokens once they arrive
+and applies the stop rules. ``update()`` is the two at once, for a step that is waited on.
 
-With the overlap scheduler the step is split: ``advance()`` right after step N is launched
-appends a placeholder token to each of its sequences (so step N+1 can be scheduled while
-the GPU still runs N and takes N's sampled ids from the GPU), and ``resolve()`` writes the
-real tokens once they arrive and applies the stop rules, one step late. A sequence that
-stopped at N may already be in step N+1: its extra token is dropped, never returned.
+With the overlap scheduler the engine resolves step N only after launching N+1: N+1 was
+scheduled from N's placeholders, and the runner takes N's sampled ids from the GPU. A
+sequence that stopped at N may already be in step N+1: its extra token is dropped, never
+returned. A request that needs its tokens on the host (``Request.needs_host_tokens``: beam
+search, Python logits processors that read ids) gets no placeholder: it is simply not
+scheduled while its step is in flight, keeping its batch rows and growth room, so it runs
+every other step while the requests around it keep the overlap.
 
 Policy, in the order ``schedule()`` applies it:
 1. Running requests, oldest admission first: every live sequence gets self blocks for
@@ -24,8 +27,7 @@ which admission reserves (batch rows and headroom). After each step ``BeamState`
 surviving (parent, token) pairs; a parent chosen twice is forked, its blocks shared by
 reference count, and a beam about to write into a shared, partly filled block gets its
 own copy at the next ``schedule()`` (copy-on-write; the copies ride in
-``SchedulerOutput.block_copies``). That half lives in ``beam_scheduling.py``. Beam requests are never advanced with placeholders:
-the engine resolves the previous step before scheduling while one is live.
+``SchedulerOutput.block_copies``). That half lives in ``beam_scheduling.py``.
 """
 from __future__ import annotations
 
@@ -33,16 +35,24 @@ from collections import deque
 from dataclasses import dataclass
 
 from enc2dec.engine.core.admission import SchedulerLimits, admission_error  # noqa: F401 (re-export)
-from enc2dec.engine.core.batch import ModelRunnerOutput, SampledToken, ScheduledEncode, ScheduledSeq, SchedulerOutput
+from enc2dec.engine.core.batch import ModelRunnerOutput, ScheduledEncode, ScheduledSeq, SchedulerOutput
 from enc2dec.engine.core.beam_scheduling import BeamScheduling
 from enc2dec.engine.core.block_manager import BlockPool, blocks_needed
-from enc2dec.engine.core.request import PLACEHOLDER_TOKEN_ID, Request, RequestStatus, Sequence
+from enc2dec.engine.core.request import LIVE_STATUSES, PLACEHOLDER_TOKEN_ID, Request, RequestStatus, Sequence
 from enc2dec.engine.core.stop_rules import check_stop
 
 
+_RUNNING = RequestStatus.RUNNING
+
+
 def _schedulable(req: Request) -> list[Sequence]:
-    """Live sequences that may take another step (not waiting for a resolve to end them)."""
-    return [s for s in req.seqs if not s.is_finished and s.num_output_tokens < req.max_output_tokens]
+    """Live sequences that may take another step (not waiting for a resolve to end them).
+    Read-only: it may be ``req.seqs`` itself."""
+    seqs, max_output = req.seqs, req.max_output_tokens
+    if len(seqs) == 1:              # most requests: no list to build
+        s = seqs[0]
+        return seqs if s.status in LIVE_STATUSES and len(s.token_ids) - s.num_hidden_tokens < max_output else []
+    return [s for s in seqs if s.status in LIVE_STATUSES and len(s.token_ids) - s.num_hidden_tokens < max_output]
 
 
 @dataclass
@@ -143,20 +153,24 @@ class Scheduler(BeamScheduling):
         i = 0
         while i < len(self.running):
             req = self.running[i]
-            seqs = _schedulable(req)
-            if not self._grow_self_blocks(req, seqs, out):
-                break   # req was the newest running request and preempted itself
-            self._emit_seqs(req, seqs, out, budget)
             i += 1
+            seqs = _schedulable(req)
+            if req.has_step_in_flight:
+                self._reserve(req, seqs, budget)    # paused until resolve() brings its tokens
+            # Beams grow (and copy shared blocks) first; other requests only when they cross a block.
+            elif (req.beam is not None and not self._grow_self_blocks(req, seqs, out)
+                  or not self._emit_seqs(req, seqs, out, budget)):
+                break   # req was the newest running request and preempted itself
         # Running sequences feed one token each, and admission kept their count within budget.
         assert budget.num_tokens <= self.limits.max_num_tokens, "was update() skipped?"
 
     def _grow_self_blocks(self, req: Request, seqs: list[Sequence], out: SchedulerOutput) -> bool:
         """Cover the tokens of ``seqs`` (req's schedulable sequences), preempting newer requests;
         False if req itself went."""
-        missing = [self._num_missing_self_blocks(s) for s in seqs]
+        tpb = self.limits.tokens_per_block
         # Only beams share blocks, so only they can need copies before writing.
         num_copies = self._num_copy_on_write_blocks(seqs) if req.beam is not None else 0
+        missing = [(len(s.token_ids) + tpb - 1) // tpb - len(s.block_ids) for s in seqs]
         num_needed = sum(missing) + num_copies
         if not num_needed:
             return True             # the common decode step: every sequence fits its blocks
@@ -169,8 +183,8 @@ class Scheduler(BeamScheduling):
         for seq, num_missing in zip(seqs, missing):
             if num_copies:
                 self._copy_on_write(seq, out)
-            if num_missing:
-                seq.block_ids.extend(self.self_pool.allocate(num_missing))
+            if num_missing:         # a new list: a ScheduledSeq of an earlier step may hold the old one
+                seq.block_ids = seq.block_ids + self.self_pool.allocate(num_missing)
         return True
 
     def _preempt(self, req: Request) -> None:
@@ -184,6 +198,7 @@ class Scheduler(BeamScheduling):
         self.cross_pool.free(req.cross_block_ids)
         req.cross_block_ids = []
         req.status = RequestStatus.WAITING
+        req.has_step_in_flight = False   # its step in flight is dropped: resolve() skips it
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -226,36 +241,60 @@ class Scheduler(BeamScheduling):
         budget.num_tokens += req.encoder_len
         self._emit_seqs(req, _schedulable(req), out, budget)
 
-    def _emit_seqs(self, req: Request, seqs: list[Sequence], out: SchedulerOutput, budget: _StepBudget) -> None:
+    def _emit_seqs(self, req: Request, seqs: list[Sequence], out: SchedulerOutput, budget: _StepBudget) -> bool:
+        """Schedule ``seqs`` (req's schedulable sequences), first growing their block tables where
+        they need it; False if that preempted req itself (then nothing is scheduled)."""
         one_prompt_token = self.limits.feed_prompt_one_token_per_step
+        tpb, max_output = self.limits.tokens_per_block, req.max_output_tokens
+        rid, cross_ids, encoder_len = req.request_id, req.cross_block_ids, req.encoder_len
+        host_ids = req.needs_host_tokens and (req.beam is None or req.beam.needs_token_ids)
+        num_tokens_fed = num_growth = 0
+        needs_blocks = False
+        batch = []
         for seq in seqs:
-            start = seq.num_computed_tokens
-            num_tokens = len(seq.token_ids)
-            end = start + 1 if one_prompt_token and start < seq.num_hidden_tokens else num_tokens
-            # cross_block_ids is shared, not copied: it is replaced, never mutated, while
-            # the request lives. block_ids is copied: it grows in place next step.
-            out.seqs.append(ScheduledSeq(
-                seq_id=seq.seq_id, request_id=req.request_id,
-                input_token_ids=seq.token_ids[start:end],
-                start_pos=seq.num_computed_tokens, block_ids=list(seq.block_ids),
-                cross_block_ids=req.cross_block_ids, encoder_len=req.encoder_len,
-                num_output_tokens=num_tokens - seq.num_hidden_tokens))
-            budget.num_tokens += end - start
-            budget.num_growth_blocks += self._num_growth_blocks(req, seq)
-            if req.beam is not None:
-                out.seqs[-1].cumulative_logprob = seq.cumulative_logprob
-            if req.needs_host_tokens and (req.beam is None or req.beam.needs_token_ids):
-                out.seqs[-1].output_token_ids = seq.output_token_ids
+            start, token_ids, hidden = seq.num_computed_tokens, seq.token_ids, seq.num_hidden_tokens
+            num_tokens = len(token_ids)
+            end = start + 1 if one_prompt_token and start < hidden else num_tokens
+            # Neither list is copied: both are replaced, never mutated, while the request lives.
+            scheduled = ScheduledSeq(seq.seq_id, rid, token_ids[start:end], start, seq.block_ids, cross_ids,
+                                     encoder_len, num_tokens - hidden, seq.cumulative_logprob)
+            if host_ids:
+                assert token_ids[-1] != PLACEHOLDER_TOKEN_ID, f"seq {seq.seq_id}: its last token is not sampled yet"
+                scheduled.output_token_ids = token_ids[hidden:]
+            batch.append(scheduled)
+            needs_blocks = needs_blocks or len(seq.block_ids) * tpb < num_tokens
+            num_tokens_fed += end - start
+            # The next step needs one more block at a boundary, unless this step is its last.
+            num_growth += num_tokens % tpb == 0 and num_tokens - hidden + 1 < max_output
+        if needs_blocks:            # one step in tokens_per_block: this one crosses into a new block
+            if not self._grow_self_blocks(req, seqs, out):
+                return False
+            for seq, scheduled in zip(seqs, batch):
+                scheduled.block_ids = seq.block_ids
+        out.seqs += batch
+        budget.num_tokens += num_tokens_fed
         budget.num_seqs += len(seqs)
+        budget.num_growth_blocks += num_growth
         if req.beam is not None:
-            # Beams not forked yet: their rows (and a private last block each) are reserved now,
-            # so expanding never overflows max_batch_size nor preempts at once.
-            num_unexpanded = self._num_unexpanded_beams(req, seqs)
-            budget.num_seqs += num_unexpanded
-            budget.num_growth_blocks += num_unexpanded
+            self._reserve_unexpanded_beams(req, seqs, budget)
+        return True
 
-    def _num_missing_self_blocks(self, seq: Sequence) -> int:
-        return blocks_needed(seq.num_tokens, self.limits.tokens_per_block) - len(seq.block_ids)
+    def _reserve(self, req: Request, seqs: list[Sequence], budget: _StepBudget) -> None:
+        """Keep a paused request's rows and the blocks its next step needs out of admission's reach:
+        resolve() appends one token to each sequence, so the growth is counted as if it ran now."""
+        tpb, max_output = self.limits.tokens_per_block, req.max_output_tokens
+        budget.num_seqs += len(seqs)
+        budget.num_growth_blocks += sum(s.num_tokens % tpb == 0 and s.num_output_tokens + 1 < max_output
+                                        for s in seqs)
+        if req.beam is not None:
+            self._reserve_unexpanded_beams(req, seqs, budget)
+
+    def _reserve_unexpanded_beams(self, req: Request, seqs: list[Sequence], budget: _StepBudget) -> None:
+        # Beams not forked yet: their rows (and a private last block each) are reserved now,
+        # so expanding never overflows max_batch_size nor preempts at once.
+        num_unexpanded = self._num_unexpanded_beams(req, seqs)
+        budget.num_seqs += num_unexpanded
+        budget.num_growth_blocks += num_unexpanded
 
     def _num_growth_blocks(self, req: Request, seq: Sequence) -> int:
         """Extra self blocks ``seq`` needs next step: 1 at a block boundary unless it ends now."""
@@ -263,90 +302,75 @@ class Scheduler(BeamScheduling):
         is_at_boundary = seq.num_tokens % self.limits.tokens_per_block == 0
         return int(is_at_boundary and not is_last_step)
 
-    # --------------------------------------------------------------------------- update
+    # ------------------------------------------------------------------- advance / resolve
 
     def update(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[Request]:
-        """Append this step's sampled tokens and apply stop rules; returns requests finished now."""
-        finished: list[Request] = []
-        beam_reqs: dict[str, Request] = {}
+        """A step waited on: ``advance`` and ``resolve`` at once; returns requests finished now."""
+        self.advance(sched_out)
+        return self.resolve(sched_out, runner_out)
+
+    def advance(self, sched_out: SchedulerOutput) -> None:
+        """Step ``sched_out`` is launched: its tokens are computed, and each sampled token gets a
+        placeholder until resolve(), except in requests that pause instead (needs_host_tokens)."""
+        live = self._live_seqs
         for scheduled in sched_out.seqs:
-            entry = self._live_seqs.get(scheduled.seq_id)
+            entry = live.get(scheduled.seq_id)
             if entry is None:
                 continue   # finished or aborted since schedule()
             req, seq = entry
-            # Only update() advances a sequence and only schedule() preempts, so a live
-            # sequence is exactly as schedule() left it, unless the two calls stopped alternating.
-            assert seq.status is RequestStatus.RUNNING and seq.num_computed_tokens == scheduled.start_pos, \
-                f"seq {seq.seq_id} changed since it was scheduled: schedule() ran twice before update()?"
-            if scheduled.seq_len < seq.num_tokens:
-                seq.num_computed_tokens = scheduled.seq_len   # an inner prompt token: no output yet
-                continue
-            if req.beam is not None:
-                seq.num_computed_tokens = scheduled.seq_len
-                beam_reqs[req.request_id] = req               # all its beams step together below
-                continue
-            sampled = runner_out.sampled.get(scheduled.seq_id)
-            assert sampled is not None, f"runner returned no token for seq {scheduled.seq_id}"
-            self._append_token(seq, sampled, scheduled.seq_len)
-            status, stop_reason = check_stop(req, seq, sampled.token_id)
-            if status is not None:
-                done = self._finish(req, seq, status, stop_reason)
-                if done is not None:
-                    finished.append(done)
-        return finished + self._beam_steps(beam_reqs, runner_out)
-
-    def advance(self, sched_out: SchedulerOutput) -> None:
-        """Overlap mode: step ``sched_out`` is on the GPU; account its tokens as placeholders."""
-        for scheduled in sched_out.seqs:
-            entry = self._live_seqs.get(scheduled.seq_id)
-            if entry is None or entry[0].beam is not None:
-                continue   # gone, or a beam: its successors are known only once resolved
-            seq = entry[1]
-            assert seq.num_computed_tokens == scheduled.start_pos, f"seq {seq.seq_id} advanced twice"
-            seq.num_computed_tokens = scheduled.seq_len
-            if scheduled.seq_len == seq.num_tokens:     # else an inner prompt token: no output
+            # Only advance() moves a sequence on and only schedule() preempts, so a live sequence is
+            # exactly as schedule() left it, unless schedule() ran twice for one advance().
+            assert seq.num_computed_tokens == scheduled.start_pos and seq.status is _RUNNING, \
+                f"seq {seq.seq_id} changed since it was scheduled: schedule() ran twice before advance()?"
+            seq_len = scheduled.start_pos + len(scheduled.input_token_ids)
+            seq.num_computed_tokens = seq_len
+            if req.needs_host_tokens:
+                req.has_step_in_flight = True
+            elif seq_len == len(seq.token_ids):    # else an inner prompt token: no output
                 seq.token_ids.append(PLACEHOLDER_TOKEN_ID)
 
     def resolve(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[Request]:
-        """Overlap mode: write step ``sched_out``'s sampled tokens over their placeholders and
-        apply the stop rules; returns requests finished now."""
+        """Write advanced step ``sched_out``'s sampled tokens and apply the stop rules; returns
+        requests finished now."""
         finished: list[Request] = []
         beam_reqs: dict[str, Request] = {}
+        live, sampled_of = self._live_seqs, runner_out.sampled
         for scheduled in sched_out.seqs:
-            entry = self._live_seqs.get(scheduled.seq_id)
+            entry = live.get(scheduled.seq_id)
             if entry is None:
                 continue   # stopped at an earlier step, aborted, or finished meanwhile
             req, seq = entry
-            if req.beam is not None:      # not advanced: resolved as update() would
-                if seq.num_computed_tokens == scheduled.start_pos:
-                    seq.num_computed_tokens = scheduled.seq_len
-                    if scheduled.seq_len == seq.num_tokens:
-                        beam_reqs[req.request_id] = req
-                continue
-            index = scheduled.seq_len           # where advance() put the placeholder
-            if index >= seq.num_tokens or seq.token_ids[index] != PLACEHOLDER_TOKEN_ID:
-                continue   # preempted and re-fed, or resolved already
-            sampled = runner_out.sampled[scheduled.seq_id]
-            seq.token_ids[index] = sampled.token_id
+            token_ids = seq.token_ids
+            index = scheduled.start_pos + len(scheduled.input_token_ids)   # where the sampled token goes
+            if req.needs_host_tokens:
+                req.has_step_in_flight = False
+                # A preempted request drops the step (it is recomputed); an inner prompt token has no output.
+                if seq.status is not _RUNNING or seq.num_computed_tokens != index or index != len(token_ids):
+                    continue
+                if req.beam is not None:
+                    beam_reqs[req.request_id] = req   # all its beams step together below
+                    continue
+                token_ids.append(PLACEHOLDER_TOKEN_ID)
+            elif index >= len(token_ids) or token_ids[index] != PLACEHOLDER_TOKEN_ID:
+                continue   # an inner prompt token
+            sampled = sampled_of.get(scheduled.seq_id)
+            assert sampled is not None, f"runner returned no token for seq {scheduled.seq_id}"
+            token_ids[index] = sampled.token_id
             seq.cumulative_logprob += sampled.logprob
             if sampled.top_logprobs is not None:
-                seq.logprobs = (seq.logprobs or []) + [sampled.top_logprobs]
-            status, stop_reason = check_stop(req, seq, sampled.token_id, index + 1)
+                if seq.logprobs is None:
+                    seq.logprobs = []
+                seq.logprobs.append(sampled.top_logprobs)
+            token_id = sampled.token_id
+            if (index + 1 - seq.num_hidden_tokens < req.max_output_tokens and token_id not in req.eos_token_ids
+                    and token_id not in req.stop_token_ids):
+                continue        # the common step: check_stop would go on
+            status, stop_reason = check_stop(req, seq, token_id, index + 1)
             if status is not None:
                 done = self._finish(req, seq, status, stop_reason)
                 if done is not None:
                     finished.append(done)
-        return finished + self._beam_steps(beam_reqs, runner_out)
-
-    @staticmethod
-    def _append_token(seq: Sequence, sampled: SampledToken, seq_len: int) -> None:
-        seq.num_computed_tokens = seq_len
-        seq.token_ids.append(sampled.token_id)
-        seq.cumulative_logprob += sampled.logprob
-        if sampled.top_logprobs is not None:
-            if seq.logprobs is None:
-                seq.logprobs = []
-            seq.logprobs.append(sampled.top_logprobs)
+        return finished + self._beam_steps(beam_reqs, runner_out) if beam_reqs else finished
 
     def _finish(self, req: Request, seq: Sequence, status: RequestStatus,
                 stop_reason: int | str | None) -> Request | None:

@@ -19,25 +19,38 @@ class IncrementalDetokenizer:
         self.stop = stop or []
         self.include_stop = include_stop_str_in_output
         self.text = ""
+        self._token_ids: list[int] = []   # every token fed so far
         self._prefix_offset = 0     # token index where the decode window starts
         self._read_offset = 0       # tokens already reflected in self.text
         self.stop_matched: str | None = None
         self._emitted = 0           # characters of self.text already returned
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens fed so far: the next ``add`` takes the ones after these."""
+        return len(self._token_ids)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def update(self, token_ids: list[int]) -> str:
         """Feed the whole output token list; returns the new text (possibly empty)."""
-        if self.tokenizer is None or self.stop_matched is not None:
+        return self.add(token_ids[len(self._token_ids):])
+
+    def add(self, new_token_ids: list[int]) -> str:
+        """Feed the tokens after the ones already fed; returns the new text (possibly empty).
+        The work is bounded by the decode window, not by the length of the output."""
+        ids = self._token_ids
+        ids += new_token_ids
+        if self.tokenizer is None or self.stop_matched is not None or not new_token_ids:
             return ""
-        prefix_text = self._decode(token_ids[self._prefix_offset:self._read_offset])
-        full = self._decode(token_ids[self._prefix_offset:])
+        prefix_text = self._decode(ids[self._prefix_offset:self._read_offset])
+        full = self._decode(ids[self._prefix_offset:])
         if full.endswith("\ufffd") or len(full) < len(prefix_text) or not full.startswith(prefix_text):
             return ""
         delta = full[len(prefix_text):]
-        self._prefix_offset = max(0, len(token_ids) - self._WINDOW)
-        self._read_offset = len(token_ids)
+        self._prefix_offset = max(0, len(ids) - self._WINDOW)
+        self._read_offset = len(ids)
         return self._append(delta)
 
     def _append(self, delta: str) -> str:
