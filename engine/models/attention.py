@@ -20,9 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from enc2dec.engine.config import canonical_backend_name
+from enc2dec.engine.models.torch_attention import TorchAttentionBackend, gather_blocks  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -90,82 +90,6 @@ class KVCache:
             return [LayerKV(torch.zeros(shape, dtype=dtype, device=device),
                             torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
         return KVCache(pool(num_self_blocks), pool(num_cross_blocks))
-
-
-def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first ``length`` positions of one sequence: [length, num_heads, head_dim]."""
-    tpb = cache.shape[1]
-    n = (length + tpb - 1) // tpb
-    return cache[block_table[:n].long()].flatten(0, 1)[:length]
-
-
-class TorchAttentionBackend:
-    """Reference backend: gathers blocks and runs ``scaled_dot_product_attention``.
-
-    Runs anywhere (the CPU/CI path). Loops over sequences; the Triton backend is the fast path.
-    """
-
-    name = "torch"
-
-    def encoder_attention(self, q, k, v, meta: EncoderMetadata, scale: float,
-                          bias_table: torch.Tensor | None = None) -> torch.Tensor:
-        # q, k, v: [num_tokens, num_heads, head_dim] packed by meta.cu_seqlens
-        out = torch.zeros_like(q)
-        starts = meta.cu_seqlens.tolist()
-        keys = meta.seq_lens if meta.padded_lens is None else meta.padded_lens.tolist()
-        for i, (n, nk) in enumerate(zip(meta.seq_lens, keys)):
-            s = starts[i]
-            qi = q[s:s + n].transpose(0, 1)                              # [H, n, D]
-            ki, vi = (t[s:s + nk].transpose(0, 1) for t in (k, v))      # [H, nk, D]
-            bias = None
-            if bias_table is not None:
-                L = (bias_table.shape[1] + 1) // 2
-                rel = (torch.arange(nk, device=q.device)[None, :] - torch.arange(n, device=q.device)[:, None]
-                       + L - 1)                                           # [n, nk] k_pos - q_pos
-                bias = bias_table[:, rel].to(q.dtype)                    # [H, n, nk]
-            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=bias, scale=scale)
-            out[s:s + n] = o.transpose(0, 1)
-        return out
-
-    def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
-        # k, v: [N, H, D]; slot_mapping: [N], a negative slot (padding) is skipped
-        keep = slot_mapping >= 0
-        slots = slot_mapping[keep].long()
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k[keep].to(k_cache.dtype))
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v[keep].to(v_cache.dtype))
-
-    def self_attention(self, q, k_cache, v_cache, meta: DecoderMetadata, scale: float,
-                       bias_table: torch.Tensor | None = None) -> torch.Tensor:
-        # q: [N, H, D]; the new tokens' K/V are already stored.
-        out = torch.empty_like(q)
-        qsl = meta.query_start_loc.tolist()
-        for i, (qn, sl) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
-            s = qsl[i]
-            k = gather_blocks(k_cache, meta.block_tables[i], sl).transpose(0, 1)   # [H, sl, D]
-            v = gather_blocks(v_cache, meta.block_tables[i], sl).transpose(0, 1)
-            qi = q[s:s + qn].transpose(0, 1)                                      # [H, qn, D]
-            q_pos = torch.arange(sl - qn, sl, device=q.device)
-            k_pos = torch.arange(sl, device=q.device)
-            rel = q_pos[:, None] - k_pos[None, :]                                 # [qn, sl]
-            mask = torch.zeros(rel.shape, dtype=q.dtype, device=q.device)
-            mask.masked_fill_(rel < 0, float("-inf"))
-            if bias_table is not None:
-                mask = mask + bias_table[:, rel.clamp(min=0)].to(q.dtype)         # [H, qn, sl]
-            o = F.scaled_dot_product_attention(qi, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
-            out[s:s + qn] = o.transpose(0, 1)
-        return out
-
-    def cross_attention(self, q, k_cache, v_cache, meta: DecoderMetadata, scale: float) -> torch.Tensor:
-        out = torch.empty_like(q)
-        qsl = meta.query_start_loc.tolist()
-        for i, (qn, el) in enumerate(zip(meta.query_lens_host, meta.enc_lens_host)):
-            s = qsl[i]
-            k = gather_blocks(k_cache, meta.cross_block_tables[i], el).transpose(0, 1)
-            v = gather_blocks(v_cache, meta.cross_block_tables[i], el).transpose(0, 1)
-            qi = q[s:s + qn].transpose(0, 1)
-            o = F.scaled_dot_product_attention(qi, k.to(q.dtype), v.to(q.dtype), scale=scale)
-            out[s:s + qn] = o.transpose(0, 1)
-        return out
 
 
 def get_attention_backend(name: str, min_keys_per_split: int = 32):

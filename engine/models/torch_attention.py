@@ -1,0 +1,231 @@
+"""The torch attention backend: the CPU path and the reference the Triton kernels are tested
+against (the four functions are described in ``attention.py``).
+
+On the CPU a decoder step is bound by the number of small ops and OpenMP regions, not by
+flops (flan-t5-small at batch 1: ~50 attention calls per step on [6, 1, <64] tensors). So
+everything that is the same for every layer of one step or one encoder forward (gather
+indices, the causal / padding mask with the T5 bias folded in, the valid store slots) is
+built at the first layer and reused by the others, keyed by the identity of the step's
+metadata; and a decode step (one new token per sequence) runs one batched 4-D
+``scaled_dot_product_attention`` per layer, which also picks PyTorch's fused CPU kernel
+(3-D inputs fall to the unfused math path). Prefixes and recompute after preemption (query
+lengths above one) take the per-sequence loop.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# Cross-attention over encoder K/V longer than this reads each request's blocks as a view of
+# the pool when they are consecutive, instead of gathering a copy every step and layer (a
+# Whisper clip's 1500 positions are 3 MB per layer and pool for whisper-base).
+VIEW_MIN_KEYS = 256
+
+
+def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` positions of one sequence: [length, num_heads, head_dim]."""
+    tpb = cache.shape[1]
+    n = (length + tpb - 1) // tpb
+    return cache.index_select(0, block_table[:n].long()).flatten(0, 1)[:length]
+
+
+def _gather_pages(cache: torch.Tensor, pages: torch.Tensor, dtype) -> torch.Tensor:
+    """Blocks ``pages [S, nb]`` of a pool as [S, H, nb * tokens_per_block, D]. ``index_select``
+    rather than ``cache[pages]``: advanced indexing opens an OpenMP region even for one block,
+    which on a loaded two-core machine costs milliseconds (measured: 2.1 ms against 12 us)."""
+    num_seqs, num_blocks = pages.shape
+    rows = cache.index_select(0, pages.reshape(-1))                     # [S * nb, T, H, D]
+    return rows.view(num_seqs, num_blocks * cache.shape[1], *cache.shape[2:]).transpose(1, 2).to(dtype)
+
+
+def _consecutive_starts(tables: list[list[int]], lens: list[int], tpb: int) -> list[int] | None:
+    """Each row's first block when the blocks holding its ``lens`` positions are consecutive."""
+    starts = []
+    for row, n in zip(tables, lens):
+        used = row[:(n + tpb - 1) // tpb]
+        if any(b != used[0] + i for i, b in enumerate(used)):
+            return None
+        starts.append(used[0])
+    return starts
+
+
+class TorchAttentionBackend:
+    """Gathers blocks and runs ``scaled_dot_product_attention``; runs anywhere."""
+
+    name = "torch"
+
+    def __init__(self):
+        self._enc = None     # (meta, bias_table, dtype, mask): one encoder forward's bias
+        self._dec = None     # (meta, {key: value}): one decoder step's indices and masks
+        self._slots = None   # (slot_mapping, its _version, boolean keep mask or None if all kept)
+
+    # ---- encoder ----------------------------------------------------------------------------
+    def encoder_attention(self, q, k, v, meta, scale: float,
+                          bias_table: torch.Tensor | None = None) -> torch.Tensor:
+        # q, k, v: [num_tokens, num_heads, head_dim] packed by meta.cu_seqlens
+        num_tokens, num_heads, head_dim = q.shape
+        batch, length = meta.batch_size, meta.max_seqlen
+        if meta.padded_lens is None and num_tokens == batch * length:     # equal lengths: one call
+            bias = self._encoder_bias(meta, bias_table, q.dtype, q.device)                  # [1, H, L, L]
+            qb, kb, vb = (t.view(batch, length, num_heads, head_dim).transpose(1, 2) for t in (q, k, v))
+            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=bias, scale=scale)     # [B, H, L, D]
+            return o.transpose(1, 2).reshape(num_tokens, num_heads, head_dim)
+        out = torch.zeros_like(q)
+        starts = meta.cu_seqlens.tolist()
+        keys = meta.seq_lens if meta.padded_lens is None else meta.padded_lens.tolist()
+        for i, (n, nk) in enumerate(zip(meta.seq_lens, keys)):
+            s = starts[i]
+            qi = q[s:s + n].transpose(0, 1)[None]                             # [1, H, n, D]
+            ki, vi = (t[s:s + nk].transpose(0, 1)[None] for t in (k, v))     # [1, H, nk, D]
+            bias = None
+            if bias_table is not None:
+                half = (bias_table.shape[1] + 1) // 2
+                rel = (torch.arange(nk, device=q.device)[None, :] - torch.arange(n, device=q.device)[:, None]
+                       + half - 1)                                            # [n, nk] k_pos - q_pos
+                bias = bias_table[:, rel].to(q.dtype)[None]                  # [1, H, n, nk]
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=bias, scale=scale)
+            out[s:s + n] = o[0].transpose(0, 1)
+        return out
+
+    def _encoder_bias(self, meta, bias_table, dtype, device) -> torch.Tensor | None:
+        if bias_table is None:
+            return None
+        cached = self._enc
+        if cached is not None and cached[0] is meta and cached[1] is bias_table and cached[2] == dtype:
+            return cached[3]
+        half = (bias_table.shape[1] + 1) // 2
+        pos = torch.arange(meta.max_seqlen, device=device)
+        rel = pos[None, :] - pos[:, None] + half - 1                          # [L, L] k_pos - q_pos
+        bias = bias_table[:, rel].to(dtype)[None]                            # [1, H, L, L]
+        self._enc = (meta, bias_table, dtype, bias)
+        return bias
+
+    # ---- cache writes -----------------------------------------------------------------------
+    def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        # k, v: [N, H, D]; slot_mapping: [N], a negative slot (padding) is skipped
+        keep = self._kept(slot_mapping)
+        if keep is not None:
+            slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
+        slots = slot_mapping.long()
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
+
+    def _kept(self, slot_mapping: torch.Tensor) -> torch.Tensor | None:
+        """Which slots to write, or None for all; every layer of a step passes the same tensor."""
+        c = self._slots
+        if c is None or c[0] is not slot_mapping or c[1] != slot_mapping._version:
+            keep = slot_mapping >= 0
+            c = self._slots = (slot_mapping, slot_mapping._version, None if bool(keep.all()) else keep)
+        return c[2]
+
+    # ---- decoder ----------------------------------------------------------------------------
+    def _step_cache(self, meta) -> dict:
+        if self._dec is None or self._dec[0] is not meta:
+            self._dec = (meta, {"is_decode": all(n == 1 for n in meta.query_lens_host)})
+        return self._dec[1]
+
+    def self_attention(self, q, k_cache, v_cache, meta, scale: float,
+                       bias_table: torch.Tensor | None = None) -> torch.Tensor:
+        # q: [N, H, D]; the new tokens' K/V are already stored.
+        step = self._step_cache(meta)
+        if not step["is_decode"]:
+            return self._self_attention_loop(q, k_cache, v_cache, meta, scale, bias_table)
+        tpb = k_cache.shape[1]
+        if "self_pages" not in step:
+            nb = (max(meta.seq_lens_host) + tpb - 1) // tpb
+            step["self_pages"] = meta.block_tables[:, :nb].long()                          # [S, nb]
+        pages = step["self_pages"]
+        key = ("self_mask", q.dtype)
+        if key not in step or step[key][0] is not bias_table:
+            step[key] = (bias_table, self._causal_mask(meta, pages.shape[1] * tpb, bias_table, q.dtype))
+        mask = step[key][1]                                                                 # [S, H|1, 1, K]
+        k, v = _gather_pages(k_cache, pages, q.dtype), _gather_pages(v_cache, pages, q.dtype)   # [S, H, K, D]
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale)   # [S, H, 1, D]
+        return o.squeeze(2)
+
+    @staticmethod
+    def _causal_mask(meta, num_keys: int, bias_table, dtype) -> torch.Tensor:
+        """Each sequence's one query (the last position) over ``num_keys`` gathered keys."""
+        k_pos = torch.arange(num_keys, device=meta.seq_lens.device)
+        rel = (meta.seq_lens.long() - 1)[:, None] - k_pos[None, :]                         # [S, K] q - k
+        hidden = (rel < 0)[:, None, None, :]                                                # [S, 1, 1, K]
+        if bias_table is None:
+            mask = torch.zeros(hidden.shape, dtype=dtype, device=rel.device)
+        else:
+            mask = bias_table[:, rel.clamp(min=0)].to(dtype).transpose(0, 1)[:, :, None, :]   # [S, H, 1, K]
+        return mask.masked_fill(hidden, float("-inf")).contiguous()
+
+    def _self_attention_loop(self, q, k_cache, v_cache, meta, scale, bias_table) -> torch.Tensor:
+        out = torch.empty_like(q)
+        qsl = meta.query_start_loc.tolist()
+        for i, (qn, sl) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
+            s = qsl[i]
+            k = gather_blocks(k_cache, meta.block_tables[i], sl).transpose(0, 1)   # [H, sl, D]
+            v = gather_blocks(v_cache, meta.block_tables[i], sl).transpose(0, 1)
+            qi = q[s:s + qn].transpose(0, 1)                                      # [H, qn, D]
+            q_pos = torch.arange(sl - qn, sl, device=q.device)
+            k_pos = torch.arange(sl, device=q.device)
+            rel = q_pos[:, None] - k_pos[None, :]                                 # [qn, sl]
+            mask = torch.zeros(rel.shape, dtype=q.dtype, device=q.device)
+            mask.masked_fill_(rel < 0, float("-inf"))
+            if bias_table is not None:
+                mask = mask + bias_table[:, rel.clamp(min=0)].to(q.dtype)         # [H, qn, sl]
+            o = F.scaled_dot_product_attention(qi[None], k.to(q.dtype)[None], v.to(q.dtype)[None],
+                                               attn_mask=mask[None], scale=scale)
+            out[s:s + qn] = o[0].transpose(0, 1)
+        return out
+
+    def cross_attention(self, q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
+        step = self._step_cache(meta)
+        tpb = k_cache.shape[1]
+        if "cross" not in step:
+            step["cross"] = self._cross_plan(meta, tpb, q.dtype)
+        plan = step["cross"]
+        if plan["starts"] is not None:
+            return self._cross_views(q, k_cache, v_cache, meta, scale, plan["starts"], tpb)
+        if not step["is_decode"]:
+            return self._cross_loop(q, k_cache, v_cache, meta, scale)
+        pages = plan["pages"]
+        k, v = _gather_pages(k_cache, pages, q.dtype), _gather_pages(v_cache, pages, q.dtype)   # [S, H, K, D]
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=plan["mask"], scale=scale)
+        return o.squeeze(2)                                                                 # [S, H, D]
+
+    @staticmethod
+    def _cross_plan(meta, tpb: int, dtype) -> dict:
+        lens = meta.enc_lens_host
+        longest = max(lens)
+        starts = None
+        if longest >= VIEW_MIN_KEYS:
+            starts = _consecutive_starts(meta.cross_block_tables.tolist(), lens, tpb)
+        nb = (longest + tpb - 1) // tpb
+        pages = meta.cross_block_tables[:, :nb].long()                                      # [S, nb]
+        k_pos = torch.arange(nb * tpb, device=pages.device)
+        hidden = (k_pos[None, :] >= meta.enc_lens.long()[:, None])[:, None, None, :]        # [S, 1, 1, K]
+        mask = torch.zeros(hidden.shape, dtype=dtype, device=pages.device).masked_fill_(hidden, float("-inf"))
+        return {"starts": starts, "pages": pages, "mask": mask}
+
+    @staticmethod
+    def _cross_views(q, k_cache, v_cache, meta, scale, starts, tpb) -> torch.Tensor:
+        out = torch.empty_like(q)
+        k_flat, v_flat = (c.view(-1, *c.shape[2:]) for c in (k_cache, v_cache))             # [slots, H, D]
+        qsl = meta.query_start_loc.tolist()
+        for i, (qn, el, first) in enumerate(zip(meta.query_lens_host, meta.enc_lens_host, starts)):
+            s, base = qsl[i], first * tpb
+            k = k_flat[base:base + el].transpose(0, 1)[None].to(q.dtype)                    # [1, H, el, D]
+            v = v_flat[base:base + el].transpose(0, 1)[None].to(q.dtype)
+            o = F.scaled_dot_product_attention(q[s:s + qn].transpose(0, 1)[None], k, v, scale=scale)
+            out[s:s + qn] = o[0].transpose(0, 1)
+        return out
+
+    @staticmethod
+    def _cross_loop(q, k_cache, v_cache, meta, scale) -> torch.Tensor:
+        out = torch.empty_like(q)
+        qsl = meta.query_start_loc.tolist()
+        for i, (qn, el) in enumerate(zip(meta.query_lens_host, meta.enc_lens_host)):
+            s = qsl[i]
+            k = gather_blocks(k_cache, meta.cross_block_tables[i], el).transpose(0, 1)[None]
+            v = gather_blocks(v_cache, meta.cross_block_tables[i], el).transpose(0, 1)[None]
+            qi = q[s:s + qn].transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(qi, k.to(q.dtype), v.to(q.dtype), scale=scale)
+            out[s:s + qn] = o[0].transpose(0, 1)
+        return out
