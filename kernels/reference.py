@@ -134,11 +134,15 @@ def race_uniform_ref(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     return ((h >> 9).to(torch.float32) + 0.5) * 2.0 ** -23
 
 
-def gumbel_race_ref(scores: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """One token per row: argmax(scores - log(-log u)) with ``u = race_uniform_ref(keys)``.
+def gumbel_race_ref(scores: torch.Tensor, seeded_keys: torch.Tensor, fresh_keys: torch.Tensor | None = None,
+                    block: int | None = None) -> torch.Tensor:
+    """One token per row: argmax(scores - log(-log u)) with ``u = race_uniform_ref(keys)``,
+    keys = ``seeded_keys`` [S, 3] for rows [0, S), then ``fresh_keys`` for the rest.
 
     -log(-log u) is Gumbel noise, so for ``scores`` = logits (any per-row offset) the winner
-    is distributed as softmax(scores); -inf scores never win unless the whole row is -inf."""
-    # scores: [R, V] float; keys: [R, 3] int64 -> [R] int64
+    is distributed as softmax(scores); -inf scores never win unless the whole row is -inf
+    (then token 0). ``block`` only steers the kernel and is ignored here."""
+    # scores: [R, V] float -> [R] int64
+    keys = seeded_keys if fresh_keys is None else torch.cat([seeded_keys.long(), fresh_keys.long()])   # [R, 3]
     u = race_uniform_ref(keys, scores.shape[-1])                          # [R, V]
     return (scores.float() - (-u.log()).log()).argmax(dim=-1)

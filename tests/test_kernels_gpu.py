@@ -161,7 +161,9 @@ def test_gumbel_race_cuda_matches_reference(rows, vocab):
 
     for seed in range(3):
         scores, keys = _race_case(rows, vocab, seed)
-        assert torch.equal(gumbel_race(scores, keys), ref.gumbel_race_ref(scores, keys))
+        want = ref.gumbel_race_ref(scores, keys)
+        assert torch.equal(gumbel_race(scores, keys), want)
+        assert torch.equal(gumbel_race(scores, keys[:rows // 3], keys[rows // 3:]), want)   # seeded + fresh rows
 
 
 def test_race_cuda_does_not_sync_and_keeps_seeded_rows_apart():

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from enc2dec.kernels.reference import race_uniform_ref
+from enc2dec.kernels.reference import gumbel_race_ref, race_uniform_ref
 from enc2dec.kernels.sampling import gumbel_race     # triton itself loads at the first launch
 
 _M32 = 0xFFFF_FFFF
@@ -80,12 +80,15 @@ def race(scores: torch.Tensor, seeded_keys: torch.Tensor, num_seeded: int) -> to
     filters dropped (no softmax needed: the race is shift-invariant per row; every row keeps
     one finite score). Rows [0, num_seeded) are seeded with ``seeded_keys`` [num_seeded, 3]
     int64 (``stream_key`` words 0 and 1, output position; each in [0, 2**32)); the others
-    draw their keys on the device's default generator, so no host sync. A seeded row's
+    draw their keys on the device's default generator, so no host sync. The fused
+    Triton kernel on CUDA (where triton is installed), the torch reference otherwise. A seeded row's
     token depends only on its own scores and key. Returns [R] int64.
     """
-    rows = scores.shape[0]
-    keys = seeded_keys[:num_seeded]                                       # [num_seeded, 3]
-    if num_seeded < rows:
-        fresh = torch.randint(0, 1 << 32, (rows - num_seeded, 3), device=scores.device)   # [R - seeded, 3]
-        keys = fresh if num_seeded == 0 else torch.cat([keys.long(), fresh])
-    return gumbel_race(scores, keys)
+    num_fresh = scores.shape[0] - num_seeded
+    fresh = None
+    if num_fresh > 0:
+        fresh = torch.randint(0, 1 << 32, (num_fresh, 3), device=scores.device)   # [R - num_seeded, 3]
+    # On CPU the reference, even where TRITON_INTERPRET=1 is set (the test suite sets it):
+    # the interpreter runs a program per row at about 0.1 s each.
+    draw = gumbel_race if scores.is_cuda else gumbel_race_ref
+    return draw(scores, seeded_keys[:num_seeded], fresh)
