@@ -8,7 +8,7 @@ every public op falls back to its torch reference when Triton cannot run the ten
 Public ops (each has a ``*_ref`` twin with the same signature in ``reference.py``):
 
     paged_attention, store_kv, fused_add_rms_norm, fused_add_layer_norm, gelu, gated_gelu,
-    skinny_linear
+    skinny_linear, gumbel_race
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ _LAZY = {
     "gelu": "activations",
     "gated_gelu": "activations",
     "skinny_linear": "skinny_gemm",
+    "gumbel_race": "sampling",
     "TritonAttentionBackend": "backend",
 }
 
@@ -50,11 +51,11 @@ def interpreting() -> bool:
 
 def can_use_triton(*tensors: torch.Tensor) -> bool:
     """Whether the Triton kernels can run on these tensors (else use the reference)."""
-    if not triton_available():
-        return False
+    # Devices first: a CPU run without the interpreter never imports triton, so a later
+    # TRITON_INTERPRET=1 (the kernel tests) still finds it unimported.
     on_cuda = all(t.is_cuda for t in tensors)
     on_cpu = all(t.device.type == "cpu" for t in tensors)
-    return on_cuda or (on_cpu and interpreting())
+    return (on_cuda or (on_cpu and interpreting())) and triton_available()
 
 
 class lazy_jit:
@@ -63,8 +64,15 @@ class lazy_jit:
 
     The kernel's module keeps ``tl = None`` as a placeholder and writes its annotations as
     strings (``from __future__ import annotations``); the first launch binds ``tl`` to
-    ``triton.language``. Kernels decorated this way must not call other jit functions.
+    ``triton.language``. A kernel may call device functions of its own module marked
+    ``@lazy_jit.helper`` (the first launch jits them too), and no other jit functions.
     """
+
+    class helper:
+        """A device function for the ``lazy_jit`` kernels of its module."""
+
+        def __init__(self, fn):
+            self.fn = fn
 
     def __init__(self, fn):
         self.fn = fn
@@ -79,7 +87,11 @@ class lazy_jit:
             if interpreting():
                 _check_interpreter_mode(tl)
                 _patch_interpreter_index()
-            self.fn.__globals__["tl"] = tl
+            module = self.fn.__globals__
+            module["tl"] = tl
+            for name, value in list(module.items()):
+                if isinstance(value, lazy_jit.helper):
+                    module[name] = triton.jit(value.fn)
             self._kernel = triton.jit(self.fn)
         return self._kernel[grid]
 

@@ -97,3 +97,52 @@ def gated_gelu_ref(x, approximate: str = "tanh"):
 def skinny_linear_ref(x, weight, bias=None):
     """``x @ weight.T + bias`` (the library GEMM)."""
     return F.linear(x, weight, bias)
+
+
+# The counter-based noise of the sampling race (``sampling.gumbel_race``). Its bits are the
+# definition: the kernel computes them in native uint32, this reference in int64 words kept
+# in [0, 2**32), and both must agree for every key and token id.
+_M32 = 0xFFFF_FFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    # (x * c) mod 2**32 for x in [0, 2**32) in int64 without overflow: multiply 16-bit halves
+    lo, hi = x & 0xFFFF, x >> 16
+    return (lo * c + (((hi * c) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    # Wellons' lowbias32: a bijection of 32-bit ints in which every input bit flips about
+    # half the output bits
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB_352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846C_A68B)
+    return x ^ (x >> 16)
+
+
+def race_uniform_ref(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Uniform noise u [R, vocab] float32 in (0, 1) from ``keys`` [R, 3] int64 (key word 0,
+    key word 1, output position, each in [0, 2**32)): a pure function of (key, token id)."""
+    k0, k1, pos = keys.long().unbind(dim=1)                               # [R] each
+    row0 = _mix32(k0 ^ _mix32((pos + 0x9E37_79B9) & _M32))                # [R]
+    row1 = _mix32(k1 ^ _mix32((row0 + 0x632B_E5AB) & _M32))               # [R]
+    tokens = torch.arange(vocab, device=keys.device, dtype=torch.long)    # [V]
+    # Two rounds over the row words: two rows' noise could only coincide if both words did.
+    h = _mix32(_mix32(row0[:, None] ^ tokens[None, :]) ^ row1[:, None])   # [R, V] in [0, 2**32)
+    # 23 bits plus a half: exact in float32, so u is never 0 or 1 and both logs are finite
+    return ((h >> 9).to(torch.float32) + 0.5) * 2.0 ** -23
+
+
+def gumbel_race_ref(scores: torch.Tensor, seeded_keys: torch.Tensor, fresh_keys: torch.Tensor | None = None,
+                    block: int | None = None) -> torch.Tensor:
+    """One token per row: argmax(scores - log(-log u)) with ``u = race_uniform_ref(keys)``,
+    keys = ``seeded_keys`` [S, 3] for rows [0, S), then ``fresh_keys`` for the rest.
+
+    -log(-log u) is Gumbel noise, so for ``scores`` = logits (any per-row offset) the winner
+    is distributed as softmax(scores); -inf scores never win unless the whole row is -inf
+    (then token 0). ``block`` only steers the kernel and is ignored here."""
+    # scores: [R, V] float -> [R] int64
+    keys = seeded_keys if fresh_keys is None else torch.cat([seeded_keys.long(), fresh_keys.long()])   # [R, 3]
+    u = race_uniform_ref(keys, scores.shape[-1])                          # [R, V]
+    return (scores.float() - (-u.log()).log()).argmax(dim=-1)

@@ -141,3 +141,59 @@ def test_smoke_one_decode_step():
     out = out + backend.cross_attention(case["q"], case["k_cache"], case["v_cache"], meta, 0.125)
     torch.cuda.synchronize()
     assert out.shape == case["q"].shape and torch.isfinite(out).all()
+
+
+def _race_case(rows, vocab, seed):
+    """Logits at serving scale with a top-k-like share of -inf, and one key per row."""
+    from enc2dec.engine.runner.sampling_ops import stream_key
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    scores = torch.randn(rows, vocab, device="cuda", generator=g) * 3                # [R, V]
+    cut = scores.topk(50, dim=-1).values[:, -1:]
+    scores[rows // 2:] = scores[rows // 2:].masked_fill(scores[rows // 2:] < cut[rows // 2:], float("-inf"))
+    keys = torch.tensor([[*stream_key(seed + r, 0), 7 * r] for r in range(rows)], device="cuda")   # [R, 3]
+    return scores, keys
+
+
+@pytest.mark.parametrize("rows,vocab", [(64, 32128), (3, 51865), (256, 50265)])
+def test_gumbel_race_cuda_matches_reference(rows, vocab):
+    from enc2dec.kernels.sampling import gumbel_race
+
+    for seed in range(3):
+        scores, keys = _race_case(rows, vocab, seed)
+        want = ref.gumbel_race_ref(scores, keys)
+        assert torch.equal(gumbel_race(scores, keys), want)
+        assert torch.equal(gumbel_race(scores, keys[:rows // 3], keys[rows // 3:]), want)   # seeded + fresh rows
+
+
+def test_race_cuda_does_not_sync_and_keeps_seeded_rows_apart():
+    from enc2dec.engine.runner.sampling_ops import race
+
+    scores, keys = _race_case(64, 32128, seed=5)
+    alone = race(scores[:8], keys[:8], 8)
+    torch.cuda.synchronize()
+    busy = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(10):
+            busy = busy @ busy / 64
+        mixed = race(scores, keys[:8], 8)               # 8 seeded rows, 56 drawing their keys
+        unseeded = race(scores, keys[:0], 0)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(mixed[:8], alone)
+    assert unseeded.shape == (64,) and bool(((unseeded >= 0) & (unseeded < 32128)).all())
+
+
+def test_gumbel_race_cuda_follows_the_softmax():
+    from enc2dec.kernels.sampling import gumbel_race
+
+    draws, logits = 200_000, torch.tensor([2.0, 1.7, 1.3, 1.1, 0.8, 0.5, float("-inf"), -0.1, -0.5, -1.0],
+                                          device="cuda")
+    keys = torch.randint(0, 1 << 32, (draws, 3), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    counts = torch.bincount(gumbel_race(logits.expand(draws, -1), keys), minlength=10).double()
+    want = logits.softmax(dim=-1).double() * draws
+    kept = want > 0
+    assert counts[~kept].sum() == 0
+    chi2 = float(((counts[kept] - want[kept]) ** 2 / want[kept]).sum())
+    assert chi2 < 27.877, f"chi2={chi2:.1f}: {counts.tolist()} vs {want.round().tolist()}"   # p = 0.001, 9 dof

@@ -1,16 +1,20 @@
 """The batched math of random sampling: temperature, top-k / top-p / min-p filters, and the
-exponential race that draws one token per row, with noise from a counter-based stream for
-seeded rows.
+race that draws one token per row from counter-based noise.
 
 Everything here is tensor work on the logits' device; per-row parameters arrive as tensors
-(staged once per step by the sampler), so a step never waits for the GPU. A seeded row's
-noise is a pure function of (its stream key, its output position, the token id): the same
-on every run, on any row of any batch, and after preemption, and it is computed with 64-bit
-integer ops that give the same bits on CPU and CUDA.
+(staged once per step by the sampler), so a step never waits for the GPU. A row's noise is
+a pure function of (its key, the token id), hashed with integer ops that give the same
+bits on CPU and CUDA (``kernels.reference.race_uniform_ref`` defines them; on CUDA the
+fused ``kernels.sampling.gumbel_race`` computes them in registers). A seeded row's key is
+its stream key and output position: the same on every run, on any row of any batch, and
+after preemption. An unseeded row's key is drawn on the device each step.
 """
 from __future__ import annotations
 
 import torch
+
+from enc2dec.kernels.reference import gumbel_race_ref, race_uniform_ref
+from enc2dec.kernels.sampling import gumbel_race     # triton itself loads at the first launch
 
 _M32 = 0xFFFF_FFFF
 _M64 = 0xFFFF_FFFF_FFFF_FFFF
@@ -30,34 +34,10 @@ def stream_key(seed: int, index: int) -> tuple[int, int]:
     return z & _M32, z >> 32
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    # (x * c) mod 2**32 for x in [0, 2**32) in int64 without overflow: multiply 16-bit halves
-    lo, hi = x & 0xFFFF, x >> 16
-    return (lo * c + (((hi * c) & 0xFFFF) << 16)) & _M32
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    # Wellons' lowbias32: a bijection of 32-bit ints in which every input bit flips about
-    # half the output bits
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB_352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846C_A68B)
-    return x ^ (x >> 16)
-
-
 def seeded_exponential(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     """Exp(1) noise [R, vocab] float32 from ``keys`` [R, 3] int64 (key word 0, key word 1,
-    output position), each in [0, 2**32)."""
-    k0, k1, pos = keys.unbind(dim=1)                                      # [R] each
-    row0 = _mix32(k0 ^ _mix32((pos + 0x9E37_79B9) & _M32))                # [R]
-    row1 = _mix32(k1 ^ _mix32((row0 + 0x632B_E5AB) & _M32))               # [R]
-    tokens = torch.arange(vocab, device=keys.device, dtype=torch.long)    # [V]
-    # Two rounds over the row words: two rows' noise could only coincide if both words did.
-    h = _mix32(_mix32(row0[:, None] ^ tokens[None, :]) ^ row1[:, None])   # [R, V] in [0, 2**32)
-    # 23 bits plus a half: exact in float32, so u is never 0 or 1 and -log(u) is finite and > 0
-    u = ((h >> 9).to(torch.float32) + 0.5) * 2.0 ** -23
-    return -u.log()
+    output position), each in [0, 2**32): -log of the race's uniform noise."""
+    return -race_uniform_ref(keys, vocab).log()
 
 
 def unseeded_exponential(rows: int, vocab: int, device: torch.device) -> torch.Tensor:
@@ -91,3 +71,24 @@ def exponential_race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     with probability p. Dropped tokens (p = 0) never win: every row keeps one with p > 0."""
     # probs, noise: [R, V] -> [R] int64
     return (probs / noise).argmax(dim=-1)
+
+
+def race(scores: torch.Tensor, seeded_keys: torch.Tensor, num_seeded: int) -> torch.Tensor:
+    """One token per row drawn from softmax(``scores``) by a Gumbel-max race.
+
+    ``scores`` [R, V] float32: the temperature-scaled logits with -inf for the tokens the
+    filters dropped (no softmax needed: the race is shift-invariant per row; every row keeps
+    one finite score). Rows [0, num_seeded) are seeded with ``seeded_keys`` [num_seeded, 3]
+    int64 (``stream_key`` words 0 and 1, output position; each in [0, 2**32)); the others
+    draw their keys on the device's default generator, so no host sync. The fused
+    Triton kernel on CUDA (where triton is installed), the torch reference otherwise. A seeded row's
+    token depends only on its own scores and key. Returns [R] int64.
+    """
+    num_fresh = scores.shape[0] - num_seeded
+    fresh = None
+    if num_fresh > 0:
+        fresh = torch.randint(0, 1 << 32, (num_fresh, 3), device=scores.device)   # [R - num_seeded, 3]
+    # On CPU the reference, even where TRITON_INTERPRET=1 is set (the test suite sets it):
+    # the interpreter runs a program per row at about 0.1 s each.
+    draw = gumbel_race if scores.is_cuda else gumbel_race_ref
+    return draw(scores, seeded_keys[:num_seeded], fresh)

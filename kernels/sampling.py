@@ -1,0 +1,99 @@
+"""The sampling race fused into one pass: per row, Gumbel-max over the vocabulary with
+counter-based noise, returning only the winning token (no [R, V] noise tensor).
+
+One program per row loops over the vocabulary in blocks. For each token it hashes (row
+key, token id) with native uint32 arithmetic into the same bits as
+``reference.race_uniform_ref``, turns them into Gumbel noise ``-log(-log u)``, adds the
+score and keeps a running per-lane maximum; one reduction at the end picks the row's
+winner, the lowest token id on a tie (as ``torch.argmax``). The integer bits are exact on
+every device; the two logs may differ from torch's by an ulp, so kernel and reference can
+disagree only where two tokens' race values tie within float rounding.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import can_use_triton, lazy_jit
+from .reference import gumbel_race_ref
+
+tl = None  # triton.language, bound by lazy_jit at the first launch (annotations stay strings)
+
+BLOCK = 512           # tokens per loop step: 26 us for 64 rows at vocab 32128 on the H200
+NUM_WARPS = 4         # (2048 and 8 warps: 30 us; 1024 and 4 warps: 46 us)
+
+
+@lazy_jit.helper
+def _mix32(x):
+    # reference._mix32 (lowbias32) on uint32: multiplication wraps mod 2**32 natively
+    x = x ^ (x >> 16)
+    x = x * tl.full((), 0x7FEB_352D, tl.uint32)
+    x = x ^ (x >> 15)
+    x = x * tl.full((), 0x846C_A68B, tl.uint32)
+    return x ^ (x >> 16)
+
+
+@lazy_jit
+def _gumbel_race_kernel(scores_ptr, seeded_ptr, fresh_ptr, out_ptr, vocab, num_seeded,
+                        stride_s, stride_seeded, stride_fresh, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    if row < num_seeded:
+        key = seeded_ptr + row * stride_seeded
+    else:
+        key = fresh_ptr + (row - num_seeded) * stride_fresh
+    k0 = tl.load(key).to(tl.uint32)
+    k1 = tl.load(key + 1).to(tl.uint32)
+    pos = tl.load(key + 2).to(tl.uint32)
+    row0 = _mix32(k0 ^ _mix32(pos + tl.full((), 0x9E37_79B9, tl.uint32)))
+    row1 = _mix32(k1 ^ _mix32(row0 + tl.full((), 0x632B_E5AB, tl.uint32)))
+    lanes = tl.arange(0, BLOCK)
+    best = tl.full((BLOCK,), float("-inf"), tl.float32)       # per lane: best value so far
+    best_id = lanes                                            # and its token (first on ties)
+    for start in range(0, vocab, BLOCK):
+        tokens = start + lanes
+        in_vocab = tokens < vocab
+        s = tl.load(scores_ptr + row * stride_s + tokens, mask=in_vocab, other=float("-inf")).to(tl.float32)
+        h = _mix32(_mix32(row0 ^ tokens.to(tl.uint32)) ^ row1)
+        u = ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07   # 2**-23
+        value = s - tl.log(-tl.log(u))
+        better = value > best          # strict: an earlier token keeps a tie
+        best = tl.where(better, value, best)
+        best_id = tl.where(better, tokens, best_id)
+    top = tl.max(best, axis=0)
+    winner = tl.min(tl.where(best == top, best_id, vocab), axis=0)
+    tl.store(out_ptr + row, winner.to(tl.int64))
+
+
+def _int64_rows(keys: torch.Tensor) -> torch.Tensor:
+    keys = keys.long()
+    return keys if keys.stride(-1) == 1 else keys.contiguous()
+
+
+def gumbel_race(scores: torch.Tensor, seeded_keys: torch.Tensor, fresh_keys: torch.Tensor | None = None,
+                block: int = BLOCK) -> torch.Tensor:
+    """One token per row, ``argmax(scores - log(-log u))`` with u hashed from the row's key.
+
+    scores: [R, V] float (finite or -inf; logits in any per-row offset: the winner follows
+    their softmax); rows [0, S) take their keys from ``seeded_keys`` [S, 3] and rows [S, R)
+    from ``fresh_keys`` [R - S, 3] (two tensors, so the caller needs no concatenation);
+    each key is int64 (word 0, word 1, output position), each in [0, 2**32). -> [R] int64.
+    ``block`` only steers the kernel (tests use small ones).
+    """
+    if not can_use_triton(scores, seeded_keys, *(() if fresh_keys is None else (fresh_keys,))):
+        return gumbel_race_ref(scores, seeded_keys, fresh_keys)
+    rows, vocab = scores.shape
+    num_seeded = seeded_keys.shape[0]
+    num_fresh = 0 if fresh_keys is None else fresh_keys.shape[0]
+    assert num_seeded + num_fresh == rows and seeded_keys.shape[1:] == (3,), \
+        f"keys for {num_seeded} + {num_fresh} rows, scores have {rows}"
+    out = torch.empty(rows, dtype=torch.long, device=scores.device)
+    if rows == 0:
+        return out
+    if scores.stride(-1) != 1:
+        scores = scores.contiguous()
+    seeded = _int64_rows(seeded_keys) if num_seeded else None
+    fresh = _int64_rows(fresh_keys) if num_fresh else None
+    seeded, fresh = (seeded if seeded is not None else fresh), (fresh if fresh is not None else seeded)
+    _gumbel_race_kernel[(rows,)](scores, seeded, fresh, out, vocab, num_seeded,
+                                 scores.stride(0), seeded.stride(0), fresh.stride(0),
+                                 BLOCK=block, num_warps=NUM_WARPS)
+    return out

@@ -1,0 +1,149 @@
+"""The fused sampling race (``kernels/sampling.py``) against its torch reference, and
+``sampling_ops.race`` as the sampler calls it: same tokens, seeded rows independent of the
+batch, and draws that follow the softmax of the filtered logits.
+
+Without CUDA the kernel runs in Triton's CPU interpreter (TRITON_INTERPRET=1, set by a
+fixture for this module only), where one program per row costs about 0.1 s: the cases
+stay small. ``test_kernels_gpu.py`` runs the kernel compiled at serving shapes.
+"""
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+
+from enc2dec.engine.runner import sampling_ops
+from enc2dec.engine.runner.sampling_ops import race, stream_key
+from enc2dec.kernels import reference as ref
+from enc2dec.kernels import sampling
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None   # find, not import: TRITON_INTERPRET is read then
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+M32 = (1 << 32) - 1
+# Chi-square critical values at p = 0.001 by degrees of freedom.
+CHI2_CRITICAL = {5: 20.515, 7: 24.322, 9: 27.877}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def triton_interpreter_without_cuda():
+    with pytest.MonkeyPatch.context() as mp:
+        if DEVICE == "cpu":
+            mp.setenv("TRITON_INTERPRET", "1")
+        yield
+
+
+@pytest.fixture(params=["kernel", "reference"])
+def path(request, monkeypatch):
+    """Run ``race`` through the Triton kernel (on CPU: interpreted, which ``race`` itself
+    never does), or through the torch reference it falls back to."""
+    if request.param == "kernel":
+        if not HAS_TRITON:
+            pytest.skip("triton is not installed")
+        monkeypatch.setattr(sampling_ops, "gumbel_race_ref", sampling.gumbel_race)
+    else:
+        monkeypatch.setattr(sampling, "can_use_triton", lambda *tensors: False)
+    return request.param
+
+
+def keys_of(rows: int, seed: int) -> torch.Tensor:
+    """[rows, 3] keys as the sampler makes them, with the 32-bit extremes among them."""
+    keys = torch.tensor([[*stream_key(seed, r), 5 * r] for r in range(rows)])
+    keys[0] = torch.tensor([0, 0, 0])
+    if rows > 1:
+        keys[1] = torch.tensor([M32, M32, M32])             # pos + constant wraps mod 2**32
+    return keys.to(DEVICE)
+
+
+def race_case(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    """Logits with dropped (-inf) tokens, a row that keeps one token, and flat rows, whose
+    winner is the noise's own argmax (so every hash bit counts)."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randn(rows, vocab, generator=g) * 2                      # [R, V]
+    scores[torch.rand(rows, vocab, generator=g) < 0.4] = float("-inf")
+    scores[0] = 0.0
+    scores[rows - 1] = float("-inf")
+    scores[rows - 1, vocab - 1] = 1.0                                       # the last token, past every full block
+    if rows > 3:
+        scores[2] = -3.0
+    return scores.to(DEVICE)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("rows,vocab,block", [(5, 300, 128), (4, 50, 64), (3, 256, 64)],
+                         ids=["vocab 300 over blocks of 128", "vocab below one block", "whole blocks"])
+def test_kernel_tokens_equal_the_reference(rows, vocab, block):
+    scores, keys = race_case(rows, vocab, seed=vocab), keys_of(rows, seed=vocab)
+    want = ref.gumbel_race_ref(scores, keys)
+    assert torch.equal(sampling.gumbel_race(scores, keys, block=block), want)
+    # The sampler's layout: keys as a column slice of its staged [R, 4] ints, seeded and
+    # fresh rows in two tensors, scores as a strided view.
+    staged = torch.cat([torch.zeros(rows, 1, dtype=torch.long, device=DEVICE), keys], dim=1)   # [R, 4]
+    wide = torch.cat([scores, torch.zeros_like(scores)], dim=1)[:, :vocab]                        # stride 2V
+    got = sampling.gumbel_race(wide, staged[:2, 1:], staged[2:, 1:], block=block)
+    assert torch.equal(got, want)
+    assert want[rows - 1] == vocab - 1 and bool(torch.isfinite(scores.gather(1, want[:, None])).all())
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_kernel_picks_token_zero_in_a_row_with_nothing_left():
+    scores = torch.full((1, 70), float("-inf"), device=DEVICE)
+    keys = keys_of(1, seed=3)
+    assert sampling.gumbel_race(scores, keys, block=32).tolist() == ref.gumbel_race_ref(scores, keys).tolist() == [0]
+
+
+def test_seeded_rows_do_not_depend_on_the_batch(path):
+    rows, vocab = 5, 200
+    scores, keys = race_case(rows, vocab, seed=1), keys_of(rows, seed=9)
+    batch = race(scores, keys[:3], 3)                                      # 3 seeded rows, then 2 unseeded
+    for r in range(3):
+        assert race(scores[r:r + 1], keys[r:r + 1], 1).item() == batch[r].item()
+    reordered = race(scores[[2, 0, 1]], keys[[2, 0, 1]], 3)
+    assert reordered.tolist() == batch[[2, 0, 1]].tolist()
+    assert bool(torch.isfinite(scores.gather(1, batch[:, None])).all())    # unseeded rows too: never a dropped token
+
+
+def test_a_seeded_row_changes_with_its_key_and_position(path):
+    vocab, steps = 40, 12
+    scores = torch.zeros(steps, vocab, device=DEVICE)
+    base = torch.tensor([*stream_key(1234, 0), 0], device=DEVICE).expand(steps, -1).clone()
+    base[:, 2] = torch.arange(steps, device=DEVICE)                        # one stream over 12 positions
+    over_positions = race(scores, base, steps).tolist()
+    other = base.clone()
+    other[:, :2] = torch.tensor(stream_key(1234, 1), device=DEVICE)        # the request's second sample
+    assert len(set(over_positions)) > 6
+    assert race(scores, other, steps).tolist() != over_positions
+    assert race(scores, base, steps).tolist() == over_positions           # no hidden state
+
+
+def _chi2(ids: torch.Tensor, logits: torch.Tensor) -> tuple[float, int]:
+    counts = np.bincount(ids.cpu().numpy(), minlength=logits.numel())
+    want = logits.double().softmax(dim=-1).cpu().numpy() * ids.numel()
+    assert counts[want == 0].sum() == 0, f"dropped tokens drawn: {counts}"
+    kept = want > 0
+    return float(((counts[kept] - want[kept]) ** 2 / want[kept]).sum()), int(kept.sum()) - 1
+
+
+@pytest.mark.parametrize("streams", ["seed per row", "one seed over positions", "unseeded"])
+def test_reference_race_follows_the_softmax(streams):
+    # 20,000 draws are too many for the interpreter; the kernel's tokens equal these (above),
+    # and test_kernels_gpu.py repeats this check with the compiled kernel.
+    draws = 20_000
+    logits = torch.tensor([1.4, 1.1, 0.9, float("-inf"), 0.3, -0.2, -0.8, float("-inf"), -1.5, 0.6])
+    if streams == "seed per row":
+        keys = torch.tensor([[*stream_key(s, 0), 3] for s in range(draws)])
+    elif streams == "one seed over positions":
+        keys = torch.tensor([[*stream_key(42, 0), p] for p in range(draws)])
+    else:
+        torch.manual_seed(0)
+        keys = torch.empty(0, 3, dtype=torch.long)
+    ids = race(logits.expand(draws, -1), keys, keys.shape[0])
+    chi2, dof = _chi2(ids, logits)
+    assert chi2 < CHI2_CRITICAL[dof], f"chi2={chi2:.1f} with {dof} degrees of freedom"
+
+
+def test_seeded_exponential_is_minus_log_of_the_race_noise():
+    # The sampler's exponential noise and the race's Gumbel noise come from one hash.
+    keys = keys_of(3, seed=2).cpu()
+    u = ref.race_uniform_ref(keys, 100)
+    assert torch.equal(sampling_ops.seeded_exponential(keys, 100), -u.log())
+    assert bool(((u > 0) & (u < 1)).all())
