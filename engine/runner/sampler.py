@@ -20,8 +20,7 @@ import torch
 
 from enc2dec.engine.runner.host_to_device import to_device
 from enc2dec.engine.runner.token_history import TokenHistory
-from enc2dec.engine.runner.sampling_ops import (exponential_race, filter_top_k_top_p_min_p, seeded_exponential,
-                                                unseeded_exponential)
+from enc2dec.engine.runner.sampling_ops import filter_top_k_top_p_min_p, race
 from enc2dec.engine.sampling_params import SamplingParams
 
 
@@ -331,7 +330,7 @@ class Sampler:
                 num_output_tokens: list[int], rows: list[int]) -> torch.Tensor:
         """``chosen`` with ``rows`` (those that sample) replaced by random draws."""
         # logits: [S, V]; chosen: [S] int64
-        dev, vocab = logits.device, logits.shape[-1]
+        dev = logits.device
         seeded = [r for r in rows if states[r].stream is not None]
         order = seeded + [r for r in rows if states[r].stream is None]     # seeded rows first
         whole = order == list(range(logits.shape[0]))
@@ -347,11 +346,5 @@ class Sampler:
         sub = sub.float() / floats[:, :1]
         if any(x.top_k or x.top_p not in (None, 1.0) or x.min_p for x in p):   # decided on the host
             sub = filter_top_k_top_p_min_p(sub, ints[:, 0], floats[:, 1], floats[:, 2])
-        probs = sub.softmax(dim=-1)                                            # [R, V]
-        parts = []
-        if seeded:
-            parts.append(seeded_exponential(ints[:len(seeded), 1:], vocab))
-        if len(order) > len(seeded):
-            parts.append(unseeded_exponential(len(order) - len(seeded), vocab, dev))
-        drawn = exponential_race(probs, parts[0] if len(parts) == 1 else torch.cat(parts))   # [R]
+        drawn = race(sub, ints[:len(seeded), 1:], len(seeded))                # [R]
         return drawn if whole else chosen.index_copy(0, idx, drawn)

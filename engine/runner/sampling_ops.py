@@ -40,13 +40,6 @@ def seeded_exponential(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     return -race_uniform_ref(keys, vocab).log()
 
 
-def unseeded_exponential(rows: int, vocab: int, device: torch.device) -> torch.Tensor:
-    """Exp(1) noise [rows, vocab] float32 from the device's default generator (no host sync)."""
-    noise = torch.empty((rows, vocab), dtype=torch.float32, device=device).exponential_()
-    # Some generators can return 0, and 0 / 0 would be NaN, which argmax picks.
-    return noise.clamp_(min=torch.finfo(torch.float32).tiny)
-
-
 def filter_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                              min_p: torch.Tensor) -> torch.Tensor:
     """``logits`` with the tokens each row's filters drop set to -inf, in transformers' order:
@@ -64,13 +57,6 @@ def filter_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: t
     drop |= probs < min_p[:, None] * probs[:, :1]    # the first token always stays
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
-
-
-def exponential_race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """One token per row drawn from ``probs``: argmax(p / E) with E ~ Exp(1) per token wins
-    with probability p. Dropped tokens (p = 0) never win: every row keeps one with p > 0."""
-    # probs, noise: [R, V] -> [R] int64
-    return (probs / noise).argmax(dim=-1)
 
 
 def race(scores: torch.Tensor, seeded_keys: torch.Tensor, num_seeded: int) -> torch.Tensor:
