@@ -39,6 +39,7 @@ byt5 = _tiny("byt5")
 bart = _tiny("bart")
 mbart = _tiny("mbart")
 whisper = _tiny("whisper")
+whisper_ts = _tiny("whisper_ts")
 
 
 @pytest.fixture

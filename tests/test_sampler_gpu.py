@@ -98,7 +98,7 @@ def test_engine_steps_with_overlap_sample_without_syncing(t5_relu):
     assert second[0].outputs[0].token_ids == first[0].outputs[0].token_ids
 
 
-def test_every_kind_of_row_steps_together_without_syncing(whisper):
+def test_every_kind_of_row_steps_together_without_syncing(whisper_ts):
     """The issue's must-show: greedy, sampled, seeded, min_tokens, stop-token, timestamped and
     language-detecting Whisper requests decode in the same steps, overlap on, and every engine
     step (schedule, launch, resolve) runs under the sync debug mode."""
@@ -107,9 +107,10 @@ def test_every_kind_of_row_steps_together_without_syncing(whisper):
     from enc2dec.engine.whisper.tokens import engine_whisper_info
 
     kv = KvCacheConfig(cross_kv_cache_fraction=0.5, free_gpu_memory_fraction=0.2)
-    with LLM(whisper, dtype="bfloat16", max_batch_size=16, kv_cache_config=kv) as llm:
+    with LLM(whisper_ts, dtype="bfloat16", max_batch_size=16, kv_cache_config=kv) as llm:
         assert llm.engine.overlap
         tok, _, _ = engine_whisper_info(llm)
+        assert tok.has_timestamps
         lang = next(iter(tok.languages))
         forced = tok.forced_after_language("transcribe", True)
 
@@ -127,9 +128,11 @@ def test_every_kind_of_row_steps_together_without_syncing(whisper):
                 (plain, SamplingParams(max_tokens=12, temperature=1.0, top_k=20, seed=3, n=2, ignore_eos=True)),
                 (plain, SamplingParams(max_tokens=12, temperature=0.0, min_tokens=6)),
                 (plain, SamplingParams(max_tokens=12, min_p=0.1, seed=4, stop_token_ids=[5], logprobs=1)),
-                (with_ts, SamplingParams(max_tokens=12, temperature=0.0, logits_processors=[timestamped()])),
-                (with_ts, SamplingParams(max_tokens=12, temperature=0.8, seed=5, logits_processors=[timestamped()])),
-                ([tok.sot], SamplingParams(max_tokens=12, temperature=0.0, logits_processors=[
+                (with_ts, SamplingParams(max_tokens=12, temperature=0.0, detokenize=False,
+                                         logits_processors=[timestamped()])),
+                (with_ts, SamplingParams(max_tokens=12, temperature=0.8, seed=5, detokenize=False,
+                                         logits_processors=[timestamped()])),
+                ([tok.sot], SamplingParams(max_tokens=12, temperature=0.0, detokenize=False, logits_processors=[
                     DetectLanguage(list(tok.languages.values()), forced),
                     SuppressAtBegin(1 + len(forced), tok.begin_suppress), timestamped(1 + len(forced))]))]
         prompts = [clip(prefix, i) for i, (prefix, _) in enumerate(rows)]

@@ -200,15 +200,18 @@ def build_mbart(folder: str) -> str:
     return _save(model, tok, folder)
 
 
-def build_whisper(folder: str) -> str:
+def build_whisper(folder: str, timestamps: bool = False) -> str:
     """Whisper with real geometry on the audio side (80 mels, 3000 frames -> 1500 positions)
-    and a tiny d_model, plus generation config and feature extractor."""
+    and a tiny d_model, plus generation config and feature extractor. ``timestamps``: the
+    vocabulary also holds Whisper's 1501 timestamp ids after ``<|notimestamps|>`` (ids only:
+    the tokenizer has no text for them, so decode with ``detokenize=False``)."""
     from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
 
     tok = whisper_tokenizer()
     ids = {t: tok.convert_tokens_to_ids(t) for t in WHISPER_SPECIALS}
     eot, sot = ids["<|endoftext|>"], ids["<|startoftranscript|>"]
-    cfg = WhisperConfig(vocab_size=len(tok), num_mel_bins=80, d_model=64, encoder_layers=2, decoder_layers=2,
+    assert ids["<|notimestamps|>"] == len(tok) - 1      # the timestamps follow it
+    cfg = WhisperConfig(vocab_size=len(tok) + (1501 if timestamps else 0), num_mel_bins=80, d_model=64, encoder_layers=2, decoder_layers=2,
                         encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
                         decoder_ffn_dim=128, max_source_positions=1500, max_target_positions=32,
                         bos_token_id=eot, eos_token_id=eot, pad_token_id=eot, decoder_start_token_id=sot,
@@ -233,6 +236,7 @@ BUILDERS = {
     "bart": build_bart,
     "mbart": build_mbart,
     "whisper": build_whisper,
+    "whisper_ts": lambda folder: build_whisper(folder, timestamps=True),
 }
 
 

@@ -13,7 +13,7 @@
 # Runs stop at their own limit (*_LIMIT_S) and at the call's budget (TOTAL_S, default 540 s):
 # a run that would start past it is skipped and its row says so. Reports and logs land in $WORK
 # (default /tmp/rw-out), packed into $OUT/real_workloads.tgz. Serve's packages (fastapi, uvicorn,
-# pydantic, python-multipart and their needs, which the GPU image lacks) travel as wheels in .whl/
+# pydantic, python-multipart and their needs, annotated-doc and opentelemetry-api for fastapi, which the GPU image lacks) travel as wheels in .whl/
 # (gitignored; carry it) and go into /tmp/site.
 # SMOKE=1: a CPU dry run of the same logic with tiny models and sizes (flan-t5-small,
 # whisper-tiny, a few requests, --baseline hf instead of hf-compile), so every command line
@@ -48,7 +48,7 @@ if [ -n "${SMOKE:-}" ]; then       # CPU: tiny models, a few short requests
 else
   T5L=google/flan-t5-large T5B=google/flan-t5-base WH=openai/whisper-large-v3 WHT=openai/whisper-large-v3-turbo
   DT=bfloat16 C=64 CB=256 MIX=64 TXT="--input-len 128 --output-len 128" AUD="--audio-seconds 30 --output-len 96"
-  NUM=128 NUMB=256 FASTBASE=hf-compile LIMIT=${LIMIT_S:-90}
+  NUM=${NUM_REQUESTS:-128} NUMB=${NUM_REQUESTS_BIG:-256} FASTBASE=hf-compile LIMIT=${LIMIT_S:-90}
 fi
 B="python -m enc2dec.cli.main bench"
 # One decoder row per request in flight: fewer CUDA-graph sizes to capture than the default 128.
