@@ -165,15 +165,12 @@ class _Run:
             args = build_llm_args(opts.model, opts.config, defaults=_row_defaults(opts), **overrides)
         except ValueError as e:
             raise BenchInputError(f"engine config: {e}") from None
-        if args.tokenizer is None:
-            # Dummy Whisper has no tokenizer: the stand-in transcribe uses encodes the decoder
-            # prompts of --timestamps / --detect-language, and every run detokenizes the same way
-            # (as a real checkpoint's would), so plain and timestamped runs compare like for like.
-            from enc2dec.engine.whisper.tokens import id_only_tokenizer_for
+        # Dummy Whisper has no tokenizer: the stand-in transcribe uses encodes the decoder
+        # prompts of --timestamps / --detect-language, and every run detokenizes the same way
+        # (as a real checkpoint's would), so plain and timestamped runs compare like for like.
+        from enc2dec.engine.whisper.tokens import with_stand_in_tokenizer
 
-            shim = id_only_tokenizer_for(args.model, args.load_format)
-            if shim is not None:
-                args = dataclasses.replace(args, tokenizer=shim)
+        args = with_stand_in_tokenizer(args)
         if opts.beam_width > 1:
             # Reserve the beams, and a decoder row for each beam of every request in flight.
             args = dataclasses.replace(args, max_beam_width=max(args.max_beam_width, opts.beam_width),

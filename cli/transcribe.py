@@ -124,7 +124,7 @@ def _check_options(o: dict) -> tuple[list[str], list[str]]:
 
 def _llm_args(o: dict):
     from enc2dec.engine.launch import build_llm_args
-    from enc2dec.engine.whisper.tokens import id_only_tokenizer_for
+    from enc2dec.engine.whisper.tokens import with_stand_in_tokenizer
 
     try:
         args = build_llm_args(o["model"], o["config"], load_format=o["load_format"], dtype=o["dtype"],
@@ -133,12 +133,7 @@ def _llm_args(o: dict):
             args = dataclasses.replace(args, max_beam_width=o["beam_size"])
     except ValueError as e:
         raise _UsageError(f"engine config: {e}") from None
-    if args.tokenizer is None:
-        # Dummy weights have no tokenizer; prefixes are then given as special-token strings.
-        shim = id_only_tokenizer_for(args.model, args.load_format)
-        if shim is not None:
-            args = dataclasses.replace(args, tokenizer=shim)
-    return args
+    return with_stand_in_tokenizer(args)      # dummy weights: prefixes as special-token strings
 
 
 def _run(o: dict) -> int:

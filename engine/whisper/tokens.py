@@ -185,21 +185,24 @@ class IdOnlyTokenizer:
         return "".join(self._names.get(i, f"<{i}>") for i in ids)
 
 
-def id_only_tokenizer_for(model: str, load_format: str) -> IdOnlyTokenizer | None:
-    """The stand-in tokenizer for ``load_format='dummy'`` on a well-known name (no files, so
-    no tokenizer); None where the checkpoint brings its own."""
+def with_stand_in_tokenizer(args):
+    """``args`` (LlmArgs) with the stand-in tokenizer for ``load_format='dummy'`` on a
+    well-known Whisper name (no files, so no tokenizer): decoder prefixes can then be given as
+    special-token strings. Unchanged where a tokenizer is set or the checkpoint brings one."""
+    import dataclasses
     import os
 
     from enc2dec.engine.inputs.known_configs import KNOWN_MODELS, get_known_config, get_known_generation_config
 
-    if load_format != "dummy" or os.path.isdir(model):
-        return None
+    model = args.model
+    if args.tokenizer is not None or args.load_format != "dummy" or os.path.isdir(model):
+        return args
     known = model if model in KNOWN_MODELS else next((k for k in KNOWN_MODELS if k.split("/", 1)[1] == model), None)
     if known is None or get_known_config(known).model_type != "whisper":
-        return None
+        return args
     tokens = WhisperTokens.from_generation_config(get_known_generation_config(known),
                                                   get_known_config(known).vocab_size)
-    return IdOnlyTokenizer(tokens)
+    return dataclasses.replace(args, tokenizer=IdOnlyTokenizer(tokens))
 
 
 def engine_whisper_info(llm):
