@@ -40,16 +40,15 @@ class SeqSamplingState:
     prefix_token_ids: tuple[int, ...] = ()            # the hidden decoder prefix (repetition_penalty sees it)
     min_tokens_mask_ids: tuple[int, ...] = field(default=())
     masked_ids: tuple[int, ...] = field(default=())   # suppress list and bad_token_ids
+    # Its chosen tokens go into the device-side history (penalties, history-reading rules).
+    records_history: bool = field(default=False)
 
     def __post_init__(self):
-        self.min_tokens_mask_ids = tuple(sorted(set(self.eos_token_ids) | set(self.stop_token_ids)))
-        self.masked_ids = tuple(sorted(set(self.suppress_token_ids) | set(self.params.bad_token_ids or ())))
-
-    @property
-    def records_history(self) -> bool:
-        """Whether its chosen tokens go into the device-side history (penalties, history-reading rules)."""
+        # Decided once per request, not in every step.
         p = self.params
-        return not p.use_beam_search and (p.has_penalties or any(
+        self.min_tokens_mask_ids = tuple(sorted(set(self.eos_token_ids) | set(self.stop_token_ids)))
+        self.masked_ids = tuple(sorted(set(self.suppress_token_ids) | set(p.bad_token_ids or ())))
+        self.records_history = not p.use_beam_search and (p.has_penalties or any(
             getattr(fn, "batched", False) and getattr(fn, "reads_history", False) for fn in p.logits_processors or ()))
 
 
@@ -152,12 +151,12 @@ def _apply_logits_processors(logits: torch.Tensor, states: list[SeqSamplingState
     for r in rows:
         # Processors that read only the count get -1s: no ids were sent for them.
         ids = histories[r] if histories[r] is not None else [-1] * num_output_tokens[r]
-        for fn in st_processors(states[r]):
+        for fn in _row_processors(states[r]):
             fn(ids, logits[r])
     return logits
 
 
-def st_processors(st: SeqSamplingState) -> list:
+def _row_processors(st: SeqSamplingState) -> list:
     """The Python processors that run row by row (the batched rules run in ``_choose``)."""
     return [fn for fn in st.params.logits_processors or () if not getattr(fn, "batched", False)]
 
@@ -178,36 +177,41 @@ def _batched_rules(states: list[SeqSamplingState]):
 
 
 def _penalize(logits: torch.Tensor, states: list[SeqSamplingState], num_output_tokens: list[int],
-              rows: list[int], window: torch.Tensor | None) -> torch.Tensor:
-    """Repetition / presence / frequency penalties and logit bias for ``rows``, batched.
-    ``window`` [R, L]: those rows' output ids from the device-side history (None when only
-    biases apply)."""
+              rows: list[int], window: torch.Tensor) -> torch.Tensor:
+    """Repetition / presence / frequency penalties for ``rows``, batched; ``window`` [R, L]
+    holds those rows' output ids from the device-side history."""
     # logits: [S, V] float32 -> a fresh [S, V]
-    dev, vocab = logits.device, logits.shape[-1]
+    dev = logits.device
     idx = to_device(rows, torch.long, dev)
     sub = logits.index_select(0, idx)                                                     # [R, V]
     params = [states[r].params for r in rows]
-    if window is not None:
-        written = torch.arange(window.shape[1], device=dev)[None, :] < \
-            to_device([num_output_tokens[r] for r in rows], torch.long, dev)[:, None]     # [R, L]
-        counts = torch.zeros_like(sub).scatter_add_(1, window.clamp(min=0), written.to(sub.dtype))   # [R, V]
-        f = to_device([[p.repetition_penalty, p.presence_penalty, p.frequency_penalty] for p in params],
-                      torch.float32, dev)                                                 # [R, 3]
-        seen = counts > 0
-        prefix = [(i, t) for i, r in enumerate(rows) if params[i].repetition_penalty != 1.0
-                  for t in states[r].prefix_token_ids]
-        repeated = seen
-        if prefix:
-            at = to_device(list(zip(*prefix)), torch.long, dev)
-            repeated = seen.index_put((at[0], at[1]), torch.ones((), dtype=torch.bool, device=dev))
-        rep = f[:, :1]
-        sub = torch.where(repeated, torch.where(sub > 0, sub / rep, sub * rep), sub)
-        sub = sub - f[:, 1:2] * seen - f[:, 2:3] * counts
-    bias = [(i, t, b) for i, p in enumerate(params) for t, b in (p.logit_bias or {}).items()]
-    if bias:
-        at = to_device([(i, t) for i, t, _ in bias], torch.long, dev).t()
-        sub = sub.index_put((at[0], at[1]), to_device([b for *_, b in bias], sub.dtype, dev), accumulate=True)
+    written = torch.arange(window.shape[1], device=dev)[None, :] < \
+        to_device([num_output_tokens[r] for r in rows], torch.long, dev)[:, None]         # [R, L]
+    counts = torch.zeros_like(sub).scatter_add_(1, window.clamp(min=0), written.to(sub.dtype))   # [R, V]
+    f = to_device([[p.repetition_penalty, p.presence_penalty, p.frequency_penalty] for p in params],
+                  torch.float32, dev)                                                     # [R, 3]
+    seen = counts > 0
+    prefix = [(i, t) for i, r in enumerate(rows) if params[i].repetition_penalty != 1.0
+              for t in states[r].prefix_token_ids]
+    repeated = seen
+    if prefix:
+        at = to_device(list(zip(*prefix)), torch.long, dev)
+        repeated = seen.index_put((at[0], at[1]), torch.ones((), dtype=torch.bool, device=dev))
+    rep = f[:, :1]
+    sub = torch.where(repeated, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    sub = sub - f[:, 1:2] * seen - f[:, 2:3] * counts
     return logits.index_copy(0, idx, sub)
+
+
+def _add_logit_bias(logits: torch.Tensor, states: list[SeqSamplingState]) -> torch.Tensor:
+    """Each row's ``logit_bias`` added, as one staged index list (a fresh tensor)."""
+    bias = [(r, t, b) for r, st in enumerate(states) if not st.params.use_beam_search
+            for t, b in (st.params.logit_bias or {}).items()]
+    if not bias:
+        return logits
+    dev = logits.device
+    at = to_device([(r, t) for r, t, _ in bias], torch.long, dev).t()
+    return logits.index_put((at[0], at[1]), to_device([b for *_, b in bias], logits.dtype, dev), accumulate=True)
 
 
 def _beam_candidates(logits: torch.Tensor, states: list[SeqSamplingState], num_output_tokens: list[int],
@@ -273,6 +277,7 @@ class Sampler:
 
     def _choose(self, logits: torch.Tensor, states: list[SeqSamplingState], num_output_tokens: list[int],
                 histories: list[list[int] | None], seq_ids: list[int] | None) -> DeviceSample:
+        model_logits = logits      # every edit below makes a fresh tensor; this one stays as it was
         # Beam rows run every rule in _beam_candidates, over each beam's own history.
         by_rule, recorded = _batched_rules(states)
         slots = None
@@ -283,13 +288,12 @@ class Sampler:
                 self.history = TokenHistory(logits.device)
             slots = self.history.slots([seq_ids[r] for r in recorded], max(num_output_tokens[r] for r in recorded))
             slot_of = dict(zip(recorded, slots))
-        penalized = [r for r, st in enumerate(states) if not st.params.use_beam_search
-                     and (st.params.has_penalties or st.params.logit_bias)]
-        if penalized:       # on the raw logits, as transformers and vLLM apply them (before temperature)
-            with_history = [r for r in penalized if states[r].params.has_penalties]
-            # A bias-only row reads any slot: its neutral penalties make the counts irrelevant.
-            window = self.history.window([slot_of.get(r, slots[0]) for r in penalized]) if with_history else None
-            logits = _penalize(logits, states, num_output_tokens, penalized, window)
+        # On the raw logits, as transformers and vLLM apply them (before temperature).
+        penalized = [r for r in recorded if states[r].params.has_penalties]
+        if penalized:
+            logits = _penalize(logits, states, num_output_tokens, penalized,
+                               self.history.window([slot_of[r] for r in penalized]))
+        logits = _add_logit_bias(logits, states)
         rows, cols = _mask_indices(states, num_output_tokens)
         if rows:
             dev = logits.device
@@ -300,11 +304,11 @@ class Sampler:
             window = self.history.window([slot_of[r] for r in rule_rows]) if getattr(rule, "reads_history", False) \
                 else None
             sub = rule.apply_batch(logits.index_select(0, idx), fns, [num_output_tokens[r] for r in rule_rows], window)
-            logits = logits.index_copy(0, idx, sub)       # a fresh tensor: the model's buffer stays as it was
-        processed = [r for r, st in enumerate(states) if not st.params.use_beam_search and st_processors(st)]
+            logits = logits.index_copy(0, idx, sub)
+        processed = [r for r, st in enumerate(states) if not st.params.use_beam_search and _row_processors(st)]
         if processed:
             logits = _apply_logits_processors(logits, states, num_output_tokens, processed, histories,
-                                              owned=bool(rows or by_rule or penalized))
+                                              owned=logits is not model_logits)
         chosen = logits.argmax(dim=-1)                                      # [S]
         sampled = [r for r, st in enumerate(states)                         # beams: no RNG
                    if not (st.params.is_greedy or st.params.use_beam_search)]
