@@ -104,7 +104,7 @@ class CompletionRequest(TextFields):
         if vocab_size is None:
             return
         for name, ids in (("stop_token_ids", self.stop_token_ids or ()), ("prompt", _flat_ids(self.prompt)),
-                          ("bad_token_ids", self.bad_token_ids or ()), ("logit_bias", self._bias_ids())):
+                          ("bad_token_ids", self.bad_token_ids or ()), ("logit_bias", list(self._logit_bias() or ()))):
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
                 raise bad_request(f"{name}: token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})",
@@ -113,9 +113,10 @@ class CompletionRequest(TextFields):
             raise bad_request(f"top_k={self.top_k} exceeds the vocabulary size ({vocab_size}); use -1 for no "
                               "top-k limit", "top_k")
 
-    def _bias_ids(self) -> list[int]:
+    def _logit_bias(self) -> dict[int, float] | None:
+        """OpenAI's string keys as token ids."""
         try:
-            return [int(k) for k in self.logit_bias or {}]
+            return {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
         except ValueError:
             raise bad_request("logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
 
@@ -153,7 +154,7 @@ class CompletionRequest(TextFields):
                 min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, logprobs=self.logprobs,
                 skip_special_tokens=self.skip_special_tokens, presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-                logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()} or None,
+                logit_bias=self._logit_bias(),
                 bad_token_ids=self.bad_token_ids)
         except ValueError as e:
             raise bad_request(str(e), _param_of(str(e))) from None
