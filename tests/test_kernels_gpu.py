@@ -16,6 +16,7 @@ from enc2dec.kernels.activations import gated_gelu, gelu
 from enc2dec.kernels.backend import TritonAttentionBackend
 from enc2dec.kernels.kv_store import store_kv
 from enc2dec.kernels.norms import fused_add_layer_norm, fused_add_rms_norm
+from gpu_sync import queue_busy_work, syncs_raise
 from test_kernels import (  # tests/ is on sys.path (pytest's default import mode)
     TOL,
     assert_close,
@@ -123,13 +124,10 @@ def test_backend_matches_torch_backend_without_host_syncs(dtype, monkeypatch):
     backend = TritonAttentionBackend()
     meta = decoder_meta(case, q_lens, kv_lens, enc_case)
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with syncs_raise():
         got = backend.encoder_attention(q, k, v, meta_enc, 1.0, bias)
         backend.self_attention(case["q"], case["k_cache"], case["v_cache"], meta, 1.0, case["bias"])
         backend.cross_attention(case["q"], enc_case["k_cache"], enc_case["v_cache"], meta, 0.125)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert_close(got, expected, dtype)
 
 
@@ -172,15 +170,10 @@ def test_race_cuda_does_not_sync_and_keeps_seeded_rows_apart():
     scores, keys = _race_case(64, 32128, seed=5)
     alone = race(scores[:8], keys[:8], 8)
     torch.cuda.synchronize()
-    busy = torch.randn(4096, 4096, device="cuda")
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(10):
-            busy = busy @ busy / 64
+    with syncs_raise():
+        queue_busy_work(10)
         mixed = race(scores, keys[:8], 8)               # 8 seeded rows, 56 drawing their keys
         unseeded = race(scores, keys[:0], 0)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(mixed[:8], alone)
     assert unseeded.shape == (64,) and bool(((unseeded >= 0) & (unseeded < 32128)).all())
 

@@ -2,6 +2,7 @@
 any blocking copy or stream synchronisation. Run on a GPU with `pytest -m gpu`."""
 import pytest
 import torch
+from gpu_sync import queue_busy_work, syncs_raise
 
 from enc2dec.engine import LLM, KvCacheConfig, SamplingParams
 from enc2dec.engine.runner.sampler import BeamGroup, Sampler, SeqSamplingState
@@ -42,15 +43,9 @@ def test_sampling_step_does_not_sync_with_the_host():
     sampler = Sampler()
     _step(sampler, logits)[1].synchronize()      # warm-up: lazy CUDA init and cached constants may sync once
     torch.cuda.synchronize()
-    # Queue heavy work first: a step that waited for the GPU would block behind it.
-    busy = torch.randn(4096, 4096, device="cuda")
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(20):
-            busy = busy @ busy / 64
+    with syncs_raise():
+        queue_busy_work(20)
         sample, event = _step(sampler, logits)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     event.synchronize()
     out = sample.output()
     ids = out.token_ids
@@ -79,13 +74,10 @@ def test_engine_steps_with_overlap_sample_without_syncing(t5_relu):
         inner, calls = runner.sampler.sample, []
 
         def strict_sample(*args, **kwargs):
-            torch.cuda.set_sync_debug_mode("error")
-            try:
+            with syncs_raise():
                 out = inner(*args, **kwargs)
-                calls.append(len(args[1]))
-                return out
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
+            calls.append(len(args[1]))
+            return out
 
         runner.sampler.sample = strict_sample
         try:
@@ -142,13 +134,10 @@ def test_every_kind_of_row_steps_together_without_syncing(whisper_ts):
         inner, steps = core.step, []
 
         def strict_step():
-            torch.cuda.set_sync_debug_mode("error")
-            try:
+            with syncs_raise():
                 out = inner()
-                steps.append(len(core.scheduler.running))
-                return out
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
+            steps.append(len(core.scheduler.running))
+            return out
 
         core.step = strict_step
         try:
