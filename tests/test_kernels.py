@@ -1,7 +1,7 @@
 """Each Triton kernel against its torch reference, and the triton backend against the torch one.
 
-Without CUDA the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set by a
-fixture for this module's tests only; kernels are decorated at first launch, so it takes
+Without CUDA the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set by
+conftest.py before anything imports triton; kernels are decorated at first launch, so it takes
 effect then); with CUDA the same cases run compiled on the GPU (``test_kernels_gpu.py``
 adds bf16 and larger shapes there). Every output buffer a kernel writes, including
 split-K partials, starts as NaN, so an unwritten element fails.
@@ -35,14 +35,6 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # fp32 math in kernel and reference; only summation order differs.
 TOL = {torch.float32: {"atol": 1e-4, "rtol": 1e-4}, torch.float16: {"atol": 2e-3, "rtol": 2e-3},
        torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def triton_interpreter_without_cuda():
-    with pytest.MonkeyPatch.context() as mp:
-        if DEVICE == "cpu":
-            mp.setenv("TRITON_INTERPRET", "1")
-        yield
 
 
 @pytest.fixture(autouse=True)

@@ -2,8 +2,8 @@
 ``sampling_ops.race`` as the sampler calls it: same tokens, seeded rows independent of the
 batch, and draws that follow the softmax of the filtered logits.
 
-Without CUDA the kernel runs in Triton's CPU interpreter (TRITON_INTERPRET=1, set by a
-fixture for this module only), where one program per row costs about 0.1 s: the cases
+Without CUDA the kernel runs in Triton's CPU interpreter (TRITON_INTERPRET=1, set by
+conftest.py before anything imports triton), where one program per row costs about 0.1 s: the cases
 stay small. ``test_kernels_gpu.py`` runs the kernel compiled at serving shapes.
 """
 import importlib.util
@@ -22,14 +22,6 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 M32 = (1 << 32) - 1
 # Chi-square critical values at p = 0.001 by degrees of freedom.
 CHI2_CRITICAL = {5: 20.515, 7: 24.322, 9: 27.877}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def triton_interpreter_without_cuda():
-    with pytest.MonkeyPatch.context() as mp:
-        if DEVICE == "cpu":
-            mp.setenv("TRITON_INTERPRET", "1")
-        yield
 
 
 @pytest.fixture(params=["kernel", "reference"])
