@@ -8,7 +8,7 @@ every public op falls back to its torch reference when Triton cannot run the ten
 Public ops (each has a ``*_ref`` twin with the same signature in ``reference.py``):
 
     paged_attention, store_kv, fused_add_rms_norm, fused_add_layer_norm, gelu, gated_gelu,
-    skinny_linear, gumbel_race
+    skinny_linear, gumbel_race, filtered_race
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ _LAZY = {
     "gated_gelu": "activations",
     "skinny_linear": "skinny_gemm",
     "gumbel_race": "sampling",
+    "filtered_race": "sampling",
     "TritonAttentionBackend": "backend",
 }
 

@@ -146,3 +146,48 @@ def gumbel_race_ref(scores: torch.Tensor, seeded_keys: torch.Tensor, fresh_keys:
     keys = seeded_keys if fresh_keys is None else torch.cat([seeded_keys.long(), fresh_keys.long()])   # [R, 3]
     u = race_uniform_ref(keys, scores.shape[-1])                          # [R, V]
     return (scores.float() - (-u.log()).log()).argmax(dim=-1)
+
+
+def top_k_floor_ref(scores: torch.Tensor, top_k: torch.Tensor, max_k: int) -> torch.Tensor:
+    """Each row's top-k floor: its ``top_k``-th largest score (ties counted, so every token
+    tied with it stays, as transformers' ``TopKLogitsWarper`` keeps them); -inf where
+    ``top_k`` is 0 (off). ``max_k`` >= every row's k, at most the vocabulary (the host knows
+    it, so no sync). scores: [R, V] float; top_k: [R] int64 -> [R] float32."""
+    if max_k <= 0:
+        return torch.full(scores.shape[:1], float("-inf"), device=scores.device)
+    vals = scores.float().topk(max_k, dim=-1).values                        # [R, max_k], descending
+    kth = vals.gather(1, (top_k.clamp(min=1, max=max_k) - 1)[:, None])[:, 0]
+    return torch.where(top_k > 0, kth, torch.full_like(kth, float("-inf")))
+
+
+def filter_scores_ref(scores: torch.Tensor, floor: torch.Tensor, top_p: torch.Tensor,
+                      min_p: torch.Tensor) -> torch.Tensor:
+    """``scores`` with the tokens the filters drop set to -inf, in transformers' order.
+
+    K: the tokens at or above the row's top-k ``floor``. Top-p over K's renormalised
+    softmax: in descending score order (ties by token id) a token stays while the mass
+    strictly before it is below ``top_p`` (so the most likely always stays; ``top_p`` = 1
+    drops nothing). Min-p: a token stays if its probability is at least ``min_p`` times the
+    most likely one's. The three sets are upper sets of one order, which is what lets the
+    fused kernel (``sampling.filtered_race``) find the race's winner without sorting.
+    scores: [R, V] float32; floor, top_p, min_p: [R] float32 -> [R, V] float32."""
+    s = scores.float()
+    top = s.max(dim=-1, keepdim=True).values                                # [R, 1]
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))      # all -inf rows stay as they are
+    in_k = s >= floor[:, None]
+    e = torch.where(in_k, (s - top).exp(), torch.zeros_like(s))             # [R, V] unnormalised mass
+    keep = in_k & (e >= min_p[:, None])
+    z = e.sum(dim=-1, keepdim=True)                                         # [R, 1]
+    order = s.masked_fill(~in_k, float("-inf")).sort(dim=-1, descending=True, stable=True).indices
+    sorted_e = e.gather(1, order)
+    before = torch.cat([torch.zeros_like(sorted_e[:, :1]), sorted_e.cumsum(dim=-1)[:, :-1]], dim=1)
+    in_p = torch.empty_like(keep).scatter_(1, order, before < top_p[:, None] * z)
+    keep &= in_p | (top_p >= 1.0)[:, None]
+    return s.masked_fill(~keep, float("-inf"))
+
+
+def filtered_race_ref(scores: torch.Tensor, floor: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                      seeded_keys: torch.Tensor, fresh_keys: torch.Tensor | None = None,
+                      block: int | None = None) -> torch.Tensor:
+    """The race over each row's filtered scores: ``gumbel_race_ref(filter_scores_ref(...))``."""
+    return gumbel_race_ref(filter_scores_ref(scores, floor, top_p, min_p), seeded_keys, fresh_keys)

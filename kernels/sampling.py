@@ -1,5 +1,6 @@
 """The sampling race fused into one pass: per row, Gumbel-max over the vocabulary with
-counter-based noise, returning only the winning token (no [R, V] noise tensor).
+counter-based noise, returning only the winning token (no [R, V] noise tensor); and the
+same race over the tokens that top-k / top-p / min-p keep, found without a sort.
 
 One program per row loops over the vocabulary in blocks. For each token it hashes (row
 key, token id) with native uint32 arithmetic into the same bits as
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from . import can_use_triton, lazy_jit
-from .reference import gumbel_race_ref
+from .reference import filtered_race_ref, gumbel_race_ref
 
 tl = None  # triton.language, bound by lazy_jit at the first launch (annotations stay strings)
 
@@ -32,10 +33,9 @@ def _mix32(x):
     return x ^ (x >> 16)
 
 
-@lazy_jit
-def _gumbel_race_kernel(scores_ptr, seeded_ptr, fresh_ptr, out_ptr, vocab, num_seeded,
-                        stride_s, stride_seeded, stride_fresh, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+@lazy_jit.helper
+def _row_words(seeded_ptr, fresh_ptr, row, num_seeded, stride_seeded, stride_fresh):
+    # the row's two hash words from its key (reference.race_uniform_ref's row0, row1)
     if row < num_seeded:
         key = seeded_ptr + row * stride_seeded
     else:
@@ -45,6 +45,22 @@ def _gumbel_race_kernel(scores_ptr, seeded_ptr, fresh_ptr, out_ptr, vocab, num_s
     pos = tl.load(key + 2).to(tl.uint32)
     row0 = _mix32(k0 ^ _mix32(pos + tl.full((), 0x9E37_79B9, tl.uint32)))
     row1 = _mix32(k1 ^ _mix32(row0 + tl.full((), 0x632B_E5AB, tl.uint32)))
+    return row0, row1
+
+
+@lazy_jit.helper
+def _race_values(s, tokens, row0, row1):
+    # score + Gumbel noise of each token: reference.gumbel_race_ref's race value
+    h = _mix32(_mix32(row0 ^ tokens.to(tl.uint32)) ^ row1)
+    u = ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07   # 2**-23
+    return s - tl.log(-tl.log(u))
+
+
+@lazy_jit
+def _gumbel_race_kernel(scores_ptr, seeded_ptr, fresh_ptr, out_ptr, vocab, num_seeded,
+                        stride_s, stride_seeded, stride_fresh, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    row0, row1 = _row_words(seeded_ptr, fresh_ptr, row, num_seeded, stride_seeded, stride_fresh)
     lanes = tl.arange(0, BLOCK)
     best = tl.full((BLOCK,), float("-inf"), tl.float32)       # per lane: best value so far
     best_id = lanes                                            # and its token (first on ties)
@@ -52,14 +68,77 @@ def _gumbel_race_kernel(scores_ptr, seeded_ptr, fresh_ptr, out_ptr, vocab, num_s
         tokens = start + lanes
         in_vocab = tokens < vocab
         s = tl.load(scores_ptr + row * stride_s + tokens, mask=in_vocab, other=float("-inf")).to(tl.float32)
-        h = _mix32(_mix32(row0 ^ tokens.to(tl.uint32)) ^ row1)
-        u = ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07   # 2**-23
-        value = s - tl.log(-tl.log(u))
+        value = _race_values(s, tokens, row0, row1)
         better = value > best          # strict: an earlier token keeps a tie
         best = tl.where(better, value, best)
         best_id = tl.where(better, tokens, best_id)
     top = tl.max(best, axis=0)
     winner = tl.min(tl.where(best == top, best_id, vocab), axis=0)
+    tl.store(out_ptr + row, winner.to(tl.int64))
+
+
+@lazy_jit
+def _filtered_race_kernel(scores_ptr, floor_ptr, top_p_ptr, min_p_ptr, seeded_ptr, fresh_ptr, out_ptr,
+                          vocab, num_seeded, stride_s, stride_seeded, stride_fresh, BLOCK: tl.constexpr):
+    # The winner of the race over the row's filtered tokens (reference.filter_scores_ref),
+    # found without sorting. Top-k, top-p and min-p each keep an upper set of one order
+    # (score descending, token id ascending on ties), so: race over the top-k set; if the
+    # winner w fails min-p or top-p (mass before it >= top_p of the set's mass), nothing at
+    # or after w in that order survives either, so race again over the tokens before w
+    # (one pass computes both the mass before w and that next winner). With the same noise
+    # the race over a subset picks the subset's own argmax, so the accepted winner is
+    # exactly the reference's. Rounds: about one when the first winner is typical.
+    row = tl.program_id(0).to(tl.int64)
+    row0, row1 = _row_words(seeded_ptr, fresh_ptr, row, num_seeded, stride_seeded, stride_fresh)
+    base = scores_ptr + row * stride_s
+    floor = tl.load(floor_ptr + row)
+    top_p = tl.load(top_p_ptr + row)
+    min_p = tl.load(min_p_ptr + row)
+    lanes = tl.arange(0, BLOCK)
+    lane_max = tl.full((BLOCK,), float("-inf"), tl.float32)
+    for start in range(0, vocab, BLOCK):
+        tokens = start + lanes
+        s = tl.load(base + tokens, mask=tokens < vocab, other=float("-inf")).to(tl.float32)
+        lane_max = tl.maximum(lane_max, s)
+    top = tl.max(lane_max, axis=0)
+    shift = tl.where(top > float("-inf"), top, 0.0)      # an all -inf row keeps its scores
+    # The top-k set's mass (unnormalised, relative to the most likely) and its race winner.
+    mass = tl.zeros((BLOCK,), tl.float32)
+    best = tl.full((BLOCK,), float("-inf"), tl.float32)
+    best_id = lanes
+    for start in range(0, vocab, BLOCK):
+        tokens = start + lanes
+        s = tl.load(base + tokens, mask=tokens < vocab, other=float("-inf")).to(tl.float32)
+        in_k = s >= floor
+        mass += tl.where(in_k, tl.exp(s - shift), 0.0)
+        value = tl.where(in_k, _race_values(s, tokens, row0, row1), float("-inf"))
+        better = value > best
+        best = tl.where(better, value, best)
+        best_id = tl.where(better, tokens, best_id)
+    total = tl.sum(mass, axis=0)
+    win_value = tl.max(best, axis=0)
+    winner = tl.min(tl.where(best == win_value, best_id, vocab), axis=0)
+    win_score = tl.load(base + winner).to(tl.float32)
+    done = (top == float("-inf")) | ((tl.exp(win_score - shift) >= min_p) & (top_p >= 1.0))
+    while not done:
+        mass = tl.zeros((BLOCK,), tl.float32)
+        best = tl.full((BLOCK,), float("-inf"), tl.float32)
+        best_id = lanes
+        for start in range(0, vocab, BLOCK):
+            tokens = start + lanes
+            s = tl.load(base + tokens, mask=tokens < vocab, other=float("-inf")).to(tl.float32)
+            before = (s > win_score) | ((s == win_score) & (tokens < winner))
+            mass += tl.where(before, tl.exp(s - shift), 0.0)
+            value = tl.where(before, _race_values(s, tokens, row0, row1), float("-inf"))
+            better = value > best
+            best = tl.where(better, value, best)
+            best_id = tl.where(better, tokens, best_id)
+        kept = (tl.exp(win_score - shift) >= min_p) & ((top_p >= 1.0) | (tl.sum(mass, axis=0) < top_p * total))
+        done = kept
+        if not kept:
+            win_value = tl.max(best, axis=0)
+            winner = tl.min(tl.where(best == win_value, best_id, vocab), axis=0)
+            win_score = tl.load(base + winner).to(tl.float32)
     tl.store(out_ptr + row, winner.to(tl.int64))
 
 
@@ -88,12 +167,43 @@ def gumbel_race(scores: torch.Tensor, seeded_keys: torch.Tensor, fresh_keys: tor
     out = torch.empty(rows, dtype=torch.long, device=scores.device)
     if rows == 0:
         return out
-    if scores.stride(-1) != 1:
-        scores = scores.contiguous()
-    seeded = _int64_rows(seeded_keys) if num_seeded else None
-    fresh = _int64_rows(fresh_keys) if num_fresh else None
-    seeded, fresh = (seeded if seeded is not None else fresh), (fresh if fresh is not None else seeded)
+    scores, seeded, fresh = _launch_args(scores, seeded_keys, fresh_keys)
     _gumbel_race_kernel[(rows,)](scores, seeded, fresh, out, vocab, num_seeded,
                                  scores.stride(0), seeded.stride(0), fresh.stride(0),
                                  BLOCK=block, num_warps=NUM_WARPS)
+    return out
+
+
+def _launch_args(scores, seeded_keys, fresh_keys):
+    # contiguous rows, int64 keys; a missing key tensor is replaced by the other (never read)
+    if scores.stride(-1) != 1:
+        scores = scores.contiguous()
+    seeded = _int64_rows(seeded_keys) if seeded_keys.shape[0] else None
+    fresh = _int64_rows(fresh_keys) if fresh_keys is not None and fresh_keys.shape[0] else None
+    return scores, (seeded if seeded is not None else fresh), (fresh if fresh is not None else seeded)
+
+
+def filtered_race(scores: torch.Tensor, floor: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                  seeded_keys: torch.Tensor, fresh_keys: torch.Tensor | None = None,
+                  block: int = BLOCK) -> torch.Tensor:
+    """``gumbel_race`` over each row's tokens that survive its top-k ``floor`` (from
+    ``reference.top_k_floor_ref``), ``top_p`` and ``min_p`` ([R] float32 each): the same
+    token as ``reference.filtered_race_ref``, with no sort, softmax or [R, V] temporary.
+    Keys as for ``gumbel_race``. -> [R] int64."""
+    tensors = (scores, floor, top_p, min_p, seeded_keys, *(() if fresh_keys is None else (fresh_keys,)))
+    if not can_use_triton(*tensors):
+        return filtered_race_ref(scores, floor, top_p, min_p, seeded_keys, fresh_keys)
+    rows, vocab = scores.shape
+    num_seeded = seeded_keys.shape[0]
+    num_fresh = 0 if fresh_keys is None else fresh_keys.shape[0]
+    assert num_seeded + num_fresh == rows == floor.shape[0] == top_p.shape[0] == min_p.shape[0], \
+        f"keys for {num_seeded} + {num_fresh} rows and {floor.shape[0]} filters, scores have {rows}"
+    out = torch.empty(rows, dtype=torch.long, device=scores.device)
+    if rows == 0:
+        return out
+    scores, seeded, fresh = _launch_args(scores, seeded_keys, fresh_keys)
+    floor, top_p, min_p = (t.float().contiguous() for t in (floor, top_p, min_p))
+    _filtered_race_kernel[(rows,)](scores, floor, top_p, min_p, seeded, fresh, out, vocab, num_seeded,
+                                   scores.stride(0), seeded.stride(0), fresh.stride(0),
+                                   BLOCK=block, num_warps=NUM_WARPS)
     return out

@@ -21,7 +21,7 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None   # find, not import
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 M32 = (1 << 32) - 1
 # Chi-square critical values at p = 0.001 by degrees of freedom.
-CHI2_CRITICAL = {5: 20.515, 7: 24.322, 9: 27.877}
+CHI2_CRITICAL = {4: 18.467, 5: 20.515, 7: 24.322, 9: 27.877}
 
 
 @pytest.fixture(params=["kernel", "reference"])
@@ -139,3 +139,75 @@ def test_seeded_exponential_is_minus_log_of_the_race_noise():
     u = ref.race_uniform_ref(keys, 100)
     assert torch.equal(sampling_ops.seeded_exponential(keys, 100), -u.log())
     assert bool(((u > 0) & (u < 1)).all())
+
+
+def filter_case(rows: int, vocab: int, seed: int):
+    """``race_case``'s rows with scores rounded to quarters (ties, as bf16 logits have them),
+    and per-row filters: top-p alone, top-k with ties at its floor, min-p, all three, none."""
+    scores = (race_case(rows, vocab, seed) * 4).round() / 4
+    top_k = torch.tensor([0, 3, 0, 40, 1, 0, 7][:rows], device=DEVICE)
+    top_p = torch.tensor([0.9, 1.0, 1.0, 0.8, 0.5, 0.97, 0.3][:rows], device=DEVICE)
+    min_p = torch.tensor([0.0, 0.0, 0.2, 0.05, 0.0, 0.0, 0.5][:rows], device=DEVICE)
+    return scores, top_k, top_p, min_p
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("rows,vocab,block", [(7, 300, 64), (5, 40, 64)], ids=["over blocks", "below one block"])
+def test_filtered_kernel_tokens_equal_the_reference(rows, vocab, block):
+    for seed in range(3):
+        scores, top_k, top_p, min_p = filter_case(rows, vocab, seed)
+        floor = ref.top_k_floor_ref(scores, top_k, 40)
+        keys = keys_of(rows, seed=seed)
+        want = ref.filtered_race_ref(scores, floor, top_p, min_p, keys)
+        got = sampling.filtered_race(scores, floor, top_p, min_p, keys[:2], keys[2:], block=block)
+        assert got.tolist() == want.tolist()
+        kept = ref.filter_scores_ref(scores, floor, top_p, min_p)
+        assert bool(torch.isfinite(kept.gather(1, want[:, None])).all()), "a dropped token won"
+
+
+def test_filters_keep_the_tokens_transformers_keeps():
+    from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    g = torch.Generator().manual_seed(0)
+    cases = [dict(top_k=5), dict(top_p=0.8), dict(min_p=0.1), dict(top_k=20, top_p=0.9, min_p=0.02)]
+    for case in cases:
+        scores = torch.randn(8, 100, generator=g) * 2
+        warpers = []
+        if "top_k" in case:
+            warpers.append(TopKLogitsWarper(case["top_k"]))
+        if "top_p" in case:
+            warpers.append(TopPLogitsWarper(case["top_p"]))
+        if "min_p" in case:
+            warpers.append(MinPLogitsWarper(case["min_p"]))
+        want = scores.clone()
+        for w in warpers:
+            want = w(None, want)
+        k = torch.full((8,), case.get("top_k", 0))
+        floor = ref.top_k_floor_ref(scores, k, case.get("top_k", 0))
+        got = ref.filter_scores_ref(scores, floor, torch.full((8,), case.get("top_p", 1.0)),
+                                    torch.full((8,), case.get("min_p", 0.0)))
+        assert torch.equal(torch.isfinite(got), torch.isfinite(want)), case
+
+
+def test_filtered_race_follows_the_filtered_softmax(path):
+    # top-k 6 then top-p 0.9 then min-p 0.1 over a 10-token row; the survivors' shares
+    # must follow their renormalised softmax (chi-square), the rest never be drawn.
+    draws = 20_000 if path == "reference" else 300       # the interpreter: a few hundred rows
+    logits = torch.tensor([1.4, 1.1, 0.9, float("-inf"), 0.3, -0.2, -0.8, float("-inf"), -1.5, 0.6])
+    scores = logits.expand(draws, -1).to(DEVICE)
+    filters = (torch.full((draws,), 6, device=DEVICE), torch.full((draws,), 0.9, device=DEVICE),
+               torch.full((draws,), 0.1, device=DEVICE), 6)
+    keys = torch.tensor([[*stream_key(s, 0), 3] for s in range(draws)], device=DEVICE)
+    if path == "kernel":
+        ids = sampling.filtered_race(scores, ref.top_k_floor_ref(scores, filters[0], 6), *filters[1:3], keys)
+    else:
+        ids = race(scores, keys, draws, filters)
+    kept = ref.filter_scores_ref(logits[None], ref.top_k_floor_ref(logits[None], torch.tensor([6]), 6),
+                                 torch.tensor([0.9]), torch.tensor([0.1]))[0]
+    assert int(torch.isfinite(kept).sum()) == 5           # the case really filters
+    if path == "kernel":
+        assert ids.tolist() == race(scores.cpu(), keys.cpu(), draws, tuple(
+            t.cpu() if torch.is_tensor(t) else t for t in filters)).tolist()
+        return
+    chi2, dof = _chi2(ids, kept)
+    assert chi2 < CHI2_CRITICAL[dof], f"chi2={chi2:.1f} with {dof} degrees of freedom"

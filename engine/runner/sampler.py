@@ -20,7 +20,7 @@ import torch
 
 from enc2dec.engine.runner.host_to_device import to_device
 from enc2dec.engine.runner.token_history import TokenHistory
-from enc2dec.engine.runner.sampling_ops import filter_top_k_top_p_min_p, race
+from enc2dec.engine.runner.sampling_ops import race
 from enc2dec.engine.sampling_params import SamplingParams
 
 
@@ -348,7 +348,8 @@ class Sampler:
         ints = to_device([[x.top_k or 0, *(states[r].stream or (0, 0)), num_output_tokens[r]]
                           for x, r in zip(p, order)], torch.long, dev)         # [R, 4]
         sub = sub.float() / floats[:, :1]
+        filters = None
         if any(x.top_k or x.top_p not in (None, 1.0) or x.min_p for x in p):   # decided on the host
-            sub = filter_top_k_top_p_min_p(sub, ints[:, 0], floats[:, 1], floats[:, 2])
-        drawn = race(sub, ints[:len(seeded), 1:], len(seeded))                # [R]
+            filters = (ints[:, 0], floats[:, 1], floats[:, 2], max(x.top_k or 0 for x in p))
+        drawn = race(sub, ints[:len(seeded), 1:], len(seeded), filters)       # [R]
         return drawn if whole else chosen.index_copy(0, idx, drawn)

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from enc2dec.kernels.reference import gumbel_race_ref, race_uniform_ref
-from enc2dec.kernels.sampling import gumbel_race     # triton itself loads at the first launch
+from enc2dec.kernels.reference import (filtered_race_ref, gumbel_race_ref, race_uniform_ref,
+                                       top_k_floor_ref)
+from enc2dec.kernels.sampling import filtered_race, gumbel_race     # triton itself loads at the first launch
 
 _M32 = 0xFFFF_FFFF
 _M64 = 0xFFFF_FFFF_FFFF_FFFF
@@ -40,41 +41,30 @@ def seeded_exponential(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     return -race_uniform_ref(keys, vocab).log()
 
 
-def filter_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                             min_p: torch.Tensor) -> torch.Tensor:
-    """``logits`` with the tokens each row's filters drop set to -inf, in transformers' order:
-    top-k, then top-p over the renormalised survivors, then min-p (relative to the most likely)."""
-    # logits: [R, V] (after temperature); top_k: [R] int64 (0 = off); top_p, min_p: [R] float32
-    vocab = logits.shape[-1]
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True, stable=True)    # [R, V]
-    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).clamp(max=vocab)
-    ranks = torch.arange(vocab, device=logits.device)[None, :]
-    sorted_logits = sorted_logits.masked_fill(ranks >= k[:, None], float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)                                            # [R, V]
-    cum_before = probs.cumsum(dim=-1) - probs        # mass strictly before each token
-    # top_p == 1 drops nothing, even where rounding lifts the cumulative sum above 1
-    drop = (cum_before >= top_p[:, None]) & (top_p < 1.0)[:, None]
-    drop |= probs < min_p[:, None] * probs[:, :1]    # the first token always stays
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
+def race(scores: torch.Tensor, seeded_keys: torch.Tensor, num_seeded: int,
+         filters: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
+    """One token per row drawn from softmax(``scores``) by a Gumbel-max race, over the tokens
+    each row's filters keep.
 
-
-def race(scores: torch.Tensor, seeded_keys: torch.Tensor, num_seeded: int) -> torch.Tensor:
-    """One token per row drawn from softmax(``scores``) by a Gumbel-max race.
-
-    ``scores`` [R, V] float32: the temperature-scaled logits with -inf for the tokens the
-    filters dropped (no softmax needed: the race is shift-invariant per row; every row keeps
-    one finite score). Rows [0, num_seeded) are seeded with ``seeded_keys`` [num_seeded, 3]
-    int64 (``stream_key`` words 0 and 1, output position; each in [0, 2**32)); the others
-    draw their keys on the device's default generator, so no host sync. The fused
-    Triton kernel on CUDA (where triton is installed), the torch reference otherwise. A seeded row's
-    token depends only on its own scores and key. Returns [R] int64.
+    ``scores`` [R, V] float32: the temperature-scaled logits, -inf for tokens already
+    banned (no softmax needed: the race is shift-invariant per row). Rows [0, num_seeded)
+    are seeded with ``seeded_keys`` [num_seeded, 3] int64 (``stream_key`` words 0 and 1,
+    output position; each in [0, 2**32)); the others draw their keys on the device's
+    default generator, so no host sync. ``filters``: (top_k [R] int64 with 0 = off, top_p
+    [R], min_p [R] float32, the largest top_k, known on the host) in transformers' order
+    (``kernels.reference.filter_scores_ref``); None filters nothing. The fused Triton
+    kernels on CUDA (where triton is installed), the torch reference otherwise. A seeded
+    row's token depends only on its own scores, filters and key. Returns [R] int64.
     """
     num_fresh = scores.shape[0] - num_seeded
     fresh = None
     if num_fresh > 0:
         fresh = torch.randint(0, 1 << 32, (num_fresh, 3), device=scores.device)   # [R - num_seeded, 3]
-    # On CPU the reference, even where TRITON_INTERPRET=1 is set (the test suite sets it):
+    # On CPU the references, even where TRITON_INTERPRET=1 is set (the test suite sets it):
     # the interpreter runs a program per row at about 0.1 s each.
-    draw = gumbel_race if scores.is_cuda else gumbel_race_ref
-    return draw(scores, seeded_keys[:num_seeded], fresh)
+    seeded = seeded_keys[:num_seeded]
+    if filters is None:
+        return (gumbel_race if scores.is_cuda else gumbel_race_ref)(scores, seeded, fresh)
+    top_k, top_p, min_p, max_k = filters
+    floor = top_k_floor_ref(scores, top_k, min(max_k, scores.shape[-1]))          # [R]; -inf = off
+    return (filtered_race if scores.is_cuda else filtered_race_ref)(scores, floor, top_p, min_p, seeded, fresh)
