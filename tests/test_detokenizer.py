@@ -41,3 +41,20 @@ def test_stop_string_truncates(tok, include):
 def test_no_tokenizer_gives_empty_text():
     detok = IncrementalDetokenizer(None)
     assert detok.update([1, 2, 3]) == "" and detok.finish([1, 2, 3]) == "" and detok.text == ""
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_byte_level_bpe_streams_the_full_decode(real_whisper, chunk):
+    # Whisper's byte-level BPE splits a character across tokens and decodes its window with
+    # the prefix it was given; streamed pieces must still join to exactly the full decode.
+    from transformers import AutoTokenizer
+
+    bpe = AutoTokenizer.from_pretrained(real_whisper.base)
+    text = " Grüße aus Köln, 日本語の文章 and then a long English tail that runs past several windows " * 3
+    ids = bpe.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(bpe)
+    pieces = [detok.update(ids[:i]) for i in range(chunk, len(ids) + chunk, chunk)]
+    pieces.append(detok.finish(ids))
+    assert "".join(pieces) == bpe.decode(ids) == detok.text
+    assert all("\ufffd" not in p for p in pieces)

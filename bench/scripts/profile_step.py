@@ -2,6 +2,7 @@
 
     python bench/scripts/profile_step.py --model google/flan-t5-large --concurrency 1 --output-len 64
     python bench/scripts/profile_step.py --model openai/whisper-large-v3 --concurrency 64 --graphs off
+    python bench/scripts/profile_step.py --concurrency 64 --temperature 0.8 --top-p 0.95 --seed 0
 
 Prints wall time per generated token step, the GPU's busy time per step (sum of kernel
 durations), kernels launched per step, and the top kernels by total time. A diagnosis tool
@@ -30,6 +31,10 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--graphs", choices=["on", "off"], default="on")
     ap.add_argument("--overlap", choices=["on", "off"], default="on")
+    ap.add_argument("--temperature", type=float, default=0.0, help="> 0 profiles the sampled step")
+    ap.add_argument("--top-p", type=float, default=None)
+    ap.add_argument("--top-k", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=None, help="seeded sampling (one stream per request)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--json", default=None, help="write the kernel table here")
     ap.add_argument("--cpu-profile", action="store_true",
@@ -46,7 +51,7 @@ def main() -> None:
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     make_prompt = _prompt_maker(llm.engine, a.input_len)
     prompts = [make_prompt() for _ in range(a.concurrency)]
-    sp = SamplingParams(max_tokens=a.output_len, ignore_eos=True, temperature=0.0, detokenize=False)
+    sp = _params(a)
     llm.generate(prompts, sp, use_tqdm=False)                           # warm-up
     sync()
     t0 = time.perf_counter()
@@ -69,7 +74,8 @@ def main() -> None:
     steps = a.output_len
     busy_us = sum(v[1] for v in kernels.values())
     count = sum(v[0] for v in kernels.values())
-    print(f"\n{a.model} C={a.concurrency} graphs={a.graphs} overlap={a.overlap} out={a.output_len}")
+    print(f"\n{a.model} C={a.concurrency} graphs={a.graphs} overlap={a.overlap} out={a.output_len} "
+          f"temperature={a.temperature} top_p={a.top_p} top_k={a.top_k} seed={a.seed}")
     print(f"wall {wall_plain * 1e3:.1f} ms unprofiled ({wall_plain * 1e3 / steps:.3f} ms/step), "
           f"{wall * 1e3:.1f} ms profiled; GPU busy {busy_us / 1e3:.1f} ms ({busy_us / 1e3 / steps:.3f} ms/step); "
           f"{count} kernels ({count / steps:.0f}/step)")
@@ -80,8 +86,14 @@ def main() -> None:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(model=a.model, concurrency=a.concurrency, graphs=a.graphs, overlap=a.overlap,
+                           temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed,
                            output_len=a.output_len, wall_ms=wall_plain * 1e3, busy_ms=busy_us / 1e3,
                            kernels=[dict(name=n, calls=c, total_us=t) for n, (c, t) in rows]), f, indent=1)
+
+
+def _params(a) -> SamplingParams:
+    return SamplingParams(max_tokens=a.output_len, ignore_eos=True, temperature=a.temperature, top_p=a.top_p,
+                          top_k=a.top_k, seed=a.seed, detokenize=False)
 
 
 def _prompt_maker(core, input_len: int):
@@ -104,7 +116,7 @@ def cpu_profile(args, a) -> None:
 
     core = EngineCore(args)
     prompt = _prompt_maker(core, a.input_len)
-    sp = SamplingParams(max_tokens=a.output_len, ignore_eos=True, temperature=0.0, detokenize=False)
+    sp = _params(a)
 
     def loop(num_requests):
         done = started = steps = 0

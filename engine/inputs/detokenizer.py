@@ -7,7 +7,9 @@ class IncrementalDetokenizer:
 
     Text is re-decoded from a window that starts a few tokens before the last emitted
     boundary, so multi-token characters (byte-level BPE, ByT5) come out whole: a trailing
-    U+FFFD means the character is not complete yet and is held back.
+    U+FFFD means the character is not complete yet and is held back. The window's start moves
+    only every ``_WINDOW`` tokens, so the text of the window already read is the previous
+    step's decode: one tokenizer call per step, not two.
     """
 
     _WINDOW = 6
@@ -22,6 +24,7 @@ class IncrementalDetokenizer:
         self._token_ids: list[int] = []   # every token fed so far
         self._prefix_offset = 0     # token index where the decode window starts
         self._read_offset = 0       # tokens already reflected in self.text
+        self._prefix_text = ""      # decode of ids[_prefix_offset:_read_offset]
         self.stop_matched: str | None = None
         self._emitted = 0           # characters of self.text already returned
 
@@ -44,13 +47,17 @@ class IncrementalDetokenizer:
         ids += new_token_ids
         if self.tokenizer is None or self.stop_matched is not None or not new_token_ids:
             return ""
-        prefix_text = self._decode(ids[self._prefix_offset:self._read_offset])
+        prefix_text = self._prefix_text
         full = self._decode(ids[self._prefix_offset:])
         if full.endswith("\ufffd") or len(full) < len(prefix_text) or not full.startswith(prefix_text):
             return ""
         delta = full[len(prefix_text):]
-        self._prefix_offset = max(0, len(ids) - self._WINDOW)
         self._read_offset = len(ids)
+        if len(ids) - self._prefix_offset > 2 * self._WINDOW:
+            self._prefix_offset = len(ids) - self._WINDOW
+            self._prefix_text = self._decode(ids[self._prefix_offset:])
+        else:
+            self._prefix_text = full
         return self._append(delta)
 
     def _append(self, delta: str) -> str:
