@@ -24,7 +24,7 @@ from enc2dec.engine.inputs.processor import InputProcessor, ProcessedInput
 from enc2dec.engine.runner.model_runner import ModelRunner
 from enc2dec.engine.inputs.model_source import resolve_model
 from enc2dec.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from enc2dec.engine.core.request import PLACEHOLDER_TOKEN_ID, Request, RequestStatus, Sequence
+from enc2dec.engine.core.request import LIVE_STATUSES, PLACEHOLDER_TOKEN_ID, Request, RequestStatus, Sequence
 from enc2dec.engine.runner.sampler import SeqSamplingState
 from enc2dec.engine.sampling_params import SamplingParams
 from enc2dec.engine.core.scheduler import Scheduler, SchedulerLimits
@@ -300,20 +300,23 @@ class EngineCore:
         return [out for rid in rids if (out := self.abort(rid, message)) is not None]
 
     def _output(self, tracked: _Tracked, finished: bool) -> RequestOutput:
+        # Every streamed request takes this path every step: plain membership tests, not the
+        # status properties.
         if tracked.request.beam is not None:
             return self._beam_output(tracked)
+        want_logprobs = tracked.params.logprobs is not None
         outs = []
         for seq, detok in zip(tracked.request.seqs, tracked.detoks):
             ids = seq.resolved_output_token_ids    # a copy: the caller may keep it
+            status = seq.status
             if finished:
                 detok.finish(ids)
-            status = seq.status if seq.status.is_finished else (
-                RequestStatus.FINISHED_ABORTED if finished else seq.status)
+                if status in LIVE_STATUSES:        # the request ended before this sequence did
+                    status = RequestStatus.FINISHED_ABORTED
             outs.append(CompletionOutput(
-                index=seq.index, text=detok.text, token_ids=ids,
-                finish_reason=status.finish_reason, stop_reason=seq.stop_reason,
-                cumulative_logprob=seq.cumulative_logprob if tracked.params.logprobs is not None else None,
-                logprobs=list(seq.logprobs) if seq.logprobs is not None else None))
+                seq.index, detok.text, ids, None if status in LIVE_STATUSES else status.value, seq.stop_reason,
+                seq.cumulative_logprob if want_logprobs else None,
+                list(seq.logprobs) if seq.logprobs is not None else None))
         return RequestOutput(tracked.request.request_id, tracked.prompt, tracked.prompt_token_ids, outs,
                              finished, tracked.metrics, tracked.error)
 

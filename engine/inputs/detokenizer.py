@@ -48,8 +48,8 @@ class IncrementalDetokenizer:
         if self.tokenizer is None or self.stop_matched is not None or not new_token_ids:
             return ""
         prefix_text = self._prefix_text
-        full = self._decode(ids[self._prefix_offset:])
-        if full.endswith("\ufffd") or len(full) < len(prefix_text) or not full.startswith(prefix_text):
+        full = self.tokenizer.decode(ids[self._prefix_offset:], skip_special_tokens=self.skip_special_tokens)
+        if not full.startswith(prefix_text) or full.endswith("\ufffd"):
             return ""
         delta = full[len(prefix_text):]
         self._read_offset = len(ids)
@@ -58,7 +58,11 @@ class IncrementalDetokenizer:
             self._prefix_text = self._decode(ids[self._prefix_offset:])
         else:
             self._prefix_text = full
-        return self._append(delta)
+        if self.stop:
+            return self._append(delta)
+        self.text += delta                  # nothing to hold back: every character is final
+        self._emitted = len(self.text)
+        return delta
 
     def _append(self, delta: str) -> str:
         start = len(self.text)
