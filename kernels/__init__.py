@@ -88,6 +88,7 @@ class lazy_jit:
             if interpreting():
                 _check_interpreter_mode(tl)
                 _patch_interpreter_index()
+                _patch_interpreter_fp8(tl)
             module = self.fn.__globals__
             module["tl"] = tl
             for name, value in list(module.items()):
@@ -127,6 +128,34 @@ def _patch_interpreter_index() -> None:
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
     interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+@functools.cache
+def _patch_interpreter_fp8(tl) -> None:
+    """Let triton<=3.6's CPU interpreter round float32 -> float8 e4m3 as the GPU does.
+
+    Its ``_convert_float`` adds the rounding bit to the 3-bit mantissa without carrying into
+    the exponent, so e.g. 127.9 becomes 64 instead of 128 (seen with the FP8 KV store kernel). The downcast is delegated to torch's conversion, which rounds to
+    nearest even; only where the interpreter's own conversion is found wrong.
+    """
+    import numpy as np
+    from triton._C.libtriton import ir
+    from triton.runtime import interpreter
+
+    original = interpreter._convert_float
+    probe = np.array([127.9, -0.3], dtype=np.float32)
+    expected = torch.from_numpy(probe).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+    got = original(probe, tl.float32, tl.float8e4nv, ir.ROUNDING_MODE.RTNE).view(np.uint8)
+    if np.array_equal(got, expected):
+        return
+
+    def convert_float(input, input_dtype, output_dtype, rounding_mode):
+        if input_dtype == tl.float32 and output_dtype == tl.float8e4nv:
+            values = torch.from_numpy(np.ascontiguousarray(input, dtype=np.float32))
+            return values.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        return original(input, input_dtype, output_dtype, rounding_mode)
+
+    interpreter._convert_float = convert_float
 
 
 def __getattr__(name: str):

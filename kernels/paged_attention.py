@@ -11,8 +11,10 @@ with one ``num_splits`` stays correct for any lengths), and a second kernel merg
 partial softmaxes.
 
 Scores are ``scale * q.k + bias[h, q_pos - k_pos]`` in fp32 (exp2 with log2(e) folded
-in); inputs fp32/fp16/bf16. Tokens with no keys (padding past ``qsl[S]``, empty
-sequences) get zeros.
+in); inputs fp32/fp16/bf16, or an FP8 pool (e4m3 with a float16 scale per position and
+head, ``kv_scales``): a key's score and a value's weight are multiplied by its scale, so
+the math stays fp32 and the read is half of bf16's. Tokens with no keys (padding past
+``qsl[S]``, empty sequences) get zeros.
 """
 from __future__ import annotations
 
@@ -38,16 +40,16 @@ _PROGRAMS_PER_SM = 16
 @lazy_jit
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, m_ptr, l_ptr,
-    qsl_ptr, kv_lens_ptr, block_tables_ptr, bias_ptr,
+    qsl_ptr, kv_lens_ptr, block_tables_ptr, bias_ptr, k_scale_ptr, v_scale_ptr,
     num_seqs, num_search_steps, scale_log2, bias_len,
     stride_qn, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
     stride_on, stride_oh, stride_os,
-    stride_bt, stride_bias_h,
+    stride_bt, stride_bias_h, stride_sb, stride_st,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     TOKENS_PER_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, FP8: tl.constexpr,
 ):
     tok = tl.program_id(0)
     head = tl.program_id(1)
@@ -98,6 +100,9 @@ def _paged_attention_kernel(
         k_off = page * stride_kb + in_page * stride_kt + head * stride_kh    # [BLOCK_N]
         k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=mask_nd, other=0.0)
         s = tl.sum(k.to(tl.float32) * q[None, :], axis=1)                    # [BLOCK_N]
+        if FP8:
+            s_off = page * stride_sb + in_page * stride_st + head
+            s *= tl.load(k_scale_ptr + s_off, mask=mask_n, other=0.0).to(tl.float32)
         if HAS_BIAS:
             rel = tl.minimum(tl.maximum(q_pos - offs_n, 0), bias_len - 1)
             b = tl.load(bias_ptr + head * stride_bias_h + rel, mask=mask_n, other=0.0)
@@ -109,7 +114,11 @@ def _paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=0)
         v_off = page * stride_vb + in_page * stride_vt + head * stride_vh
         v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=mask_nd, other=0.0)
-        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)    # [BLOCK_D]
+        if FP8:
+            pv = p * tl.load(v_scale_ptr + s_off, mask=mask_n, other=0.0).to(tl.float32)
+        else:
+            pv = p
+        acc = acc * alpha + tl.sum(pv[:, None] * v.to(tl.float32), axis=0)   # [BLOCK_D]
         m_i = m_new
 
     out_row = out_ptr + tok * stride_on + head * stride_oh
@@ -162,14 +171,16 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def launch_config(block_d: int) -> tuple[int, int, int]:
+def launch_config(block_d: int, element_bytes: int = 2) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) of the attention kernel for a padded head_dim.
 
     Small one-warp programs (a 1024-element K tile) keep the most loads in flight: on an
     H200 (bf16, 2026-11-30) they read Whisper cross K/V at c=64 at 4.1 TB/s against 1.7 TB/s
-    for 4-warp 64x64 tiles; num_stages made no difference (the loop has no tl.dot).
+    for 4-warp 64x64 tiles; num_stages made no difference (the loop has no tl.dot). An FP8
+    tile keeps bf16's bytes, so twice the keys.
     """
-    return max(8, min(128, 1024 // block_d)), 1, 2
+    elements = 2048 if element_bytes == 1 else 1024
+    return max(8, min(256, elements // block_d)), 1, 2
 
 
 def pick_num_splits(num_tokens: int, num_heads: int, max_kv_len: int, device: torch.device,
@@ -188,7 +199,8 @@ def pick_num_splits(num_tokens: int, num_heads: int, max_kv_len: int, device: to
 
 def paged_attention(q, k_cache, v_cache, query_start_loc, kv_lens, block_tables, scale: float, *,
                     causal: bool, bias_table: torch.Tensor | None = None,
-                    out: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, num_splits: int | None = None,
+                    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Attention of packed queries over paged K/V; returns ``out`` ``[N, H, D]`` (q's dtype).
 
     q: [N, H, D]; k_cache, v_cache: [num_blocks, tokens_per_block, H, D];
@@ -197,10 +209,11 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, kv_lens, block_tables,
     ``clamp(q_pos - k_pos, 0, L - 1)`` (the T5 decoder table; meant for causal use).
     ``num_splits`` None picks by occupancy from the block-table width (callers with
     host-side lengths pass ``pick_num_splits(...)``); results do not depend on it.
+    ``kv_scales``: (k_scale, v_scale) [num_blocks, tokens_per_block, H] float16 of an FP8 pool.
     """
     if not can_use_triton(q, k_cache, v_cache, block_tables):
         return paged_attention_ref(q, k_cache, v_cache, query_start_loc, kv_lens, block_tables, scale,
-                                   causal=causal, bias_table=bias_table, out=out)
+                                   causal=causal, bias_table=bias_table, out=out, kv_scales=kv_scales)
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = kv_lens.shape[0]
     tokens_per_block = k_cache.shape[1]
@@ -215,7 +228,12 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, kv_lens, block_tables,
         max_kv_len = block_tables.shape[1] * tokens_per_block
         num_splits = pick_num_splits(num_tokens, num_heads, max_kv_len, q.device)
     block_d = _next_pow2(head_dim)
-    block_n, num_warps, num_stages = launch_config(block_d)
+    block_n, num_warps, num_stages = launch_config(block_d, k_cache.element_size())
+    fp8 = kv_scales is not None
+    k_scale, v_scale = kv_scales if fp8 else (q, q)                          # q: dummy pointers
+    if fp8:
+        assert k_scale.shape == v_scale.shape == k_cache.shape[:3] and k_scale.stride() == v_scale.stride()
+        assert k_scale.stride(2) == 1
     if num_splits > 1:
         part = torch.empty((num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32,
                            device=q.device)                                 # [N, H, splits, D]
@@ -230,15 +248,17 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, kv_lens, block_tables,
     search_steps = max(1, num_seqs).bit_length() + 1
     _paged_attention_kernel[(num_tokens, num_heads, num_splits)](
         q, k_cache, v_cache, dst, m if m is not None else dst, l if l is not None else dst,
-        query_start_loc, kv_lens, block_tables, bias,
+        query_start_loc, kv_lens, block_tables, bias, k_scale, v_scale,
         num_seqs, search_steps, scale * _LOG2E, bias_table.shape[1] if has_bias else 1,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         dst.stride(0), dst.stride(1), stride_os,
         block_tables.stride(0), bias.stride(0) if has_bias else 0,
+        k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, TOKENS_PER_BLOCK=tokens_per_block,
-        NUM_SPLITS=num_splits, CAUSAL=causal, HAS_BIAS=has_bias, num_warps=num_warps, num_stages=num_stages,
+        NUM_SPLITS=num_splits, CAUSAL=causal, HAS_BIAS=has_bias, FP8=fp8, num_warps=num_warps,
+        num_stages=num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](

@@ -18,12 +18,35 @@ def token_seq_index(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Ten
     return torch.searchsorted(qsl[1:].contiguous(), tokens, right=True)     # [N]
 
 
+# FP8 KV cache (kv_cache_config.dtype="fp8"): e4m3 values with one float16 scale per stored
+# position and head (its amax / 448), so every row uses the whole e4m3 range whatever the
+# layer's activations; dequantised as value * scale. Scale tensors: [num_blocks, tokens_per_block, heads].
+FP8_MAX = 448.0
+FP8_SCALE_DTYPE = torch.float16
+FP8_MIN_SCALE = 2.0 ** -14      # float16's smallest normal: all-zero rows still divide safely
+
+
+def quantize_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., D]`` -> (e4m3 values [..., D], float16 scales [...]) with x ~ values * scales."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1) / FP8_MAX).clamp(min=FP8_MIN_SCALE).to(FP8_SCALE_DTYPE)
+    q = (xf / scale.float()[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def dequantize_ref(cache: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """Cache rows as float32: ``cache * scale`` for an FP8 pool, else just the upcast."""
+    return cache.float() if scale is None else cache.float() * scale.float()[..., None]
+
+
 def paged_attention_ref(q, k_cache, v_cache, query_start_loc, kv_lens, block_tables, scale: float, *,
                         causal: bool, bias_table: torch.Tensor | None = None,
-                        out: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
+                        out: torch.Tensor | None = None, num_splits: int | None = None,
+                        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Attention of packed queries over paged K/V (see ``paged_attention.paged_attention``).
 
-    ``num_splits`` only steers the kernel's split-K and is ignored here.
+    ``num_splits`` only steers the kernel's split-K and is ignored here. ``kv_scales``:
+    (k_scale, v_scale) [num_blocks, tokens_per_block, H] of an FP8 pool.
     """
     num_tokens = q.shape[0]                                                 # q: [N, H, D]
     num_seqs = kv_lens.shape[0]
@@ -38,8 +61,10 @@ def paged_attention_ref(q, k_cache, v_cache, query_start_loc, kv_lens, block_tab
     limit = torch.where(is_real, q_pos + 1 if causal else kv_len, 0)        # keys each token sees
     k_pos = torch.arange(block_tables.shape[1] * tokens_per_block, device=q.device)  # [K]
     pages = block_tables.long()[seq][:, k_pos // tokens_per_block]          # [N, K]
-    k = k_cache[pages, k_pos % tokens_per_block].float()                    # [N, K, H, D]
-    v = v_cache[pages, k_pos % tokens_per_block].float()                    # [N, K, H, D]
+    in_page = k_pos % tokens_per_block
+    k_scale, v_scale = kv_scales if kv_scales is not None else (None, None)
+    k = dequantize_ref(k_cache[pages, in_page], None if k_scale is None else k_scale[pages, in_page])   # [N, K, H, D]
+    v = dequantize_ref(v_cache[pages, in_page], None if v_scale is None else v_scale[pages, in_page])
     scores = torch.einsum("nhd,nkhd->nhk", q.float(), k) * scale            # [N, H, K]
     if bias_table is not None:
         rel = (q_pos[:, None] - k_pos[None, :]).clamp(0, bias_table.shape[1] - 1)   # [N, K]
@@ -54,12 +79,28 @@ def paged_attention_ref(q, k_cache, v_cache, query_start_loc, kv_lens, block_tab
     return out
 
 
-def store_kv_ref(k, v, k_cache, v_cache, slot_mapping) -> None:
-    """Write ``k, v [N, H, D]`` into cache slots; a negative slot (padding) is skipped."""
+def store_kv_ref(k, v, k_cache, v_cache, slot_mapping,
+                 kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Write ``k, v [N, H, D]`` into cache slots; a negative slot (padding) is skipped. With
+    ``kv_scales`` (an FP8 pool's scale tensors) each row is stored quantised."""
     keep = slot_mapping >= 0                                                # [N]
     slots = slot_mapping[keep].long()
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k[keep].to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v[keep].to(v_cache.dtype))
+    for x, cache, sc in zip((k, v), (k_cache, v_cache), kv_scales or (None, None)):
+        x = x[keep]
+        if sc is not None:
+            x, row_scale = quantize_fp8_ref(x)                              # [n, H, D], [n, H]
+            sc.view(-1, sc.shape[-1]).index_copy_(0, slots, row_scale)
+        _rows(cache).index_copy_(0, slots, _raw(x.to(cache.dtype)))
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    # index_copy_ has no float8 kernels: copy FP8 rows as their bytes
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def _rows(cache: torch.Tensor) -> torch.Tensor:
+    """A pool [num_blocks, tokens_per_block, H, D] as slot rows [slots, H, D], writable in place."""
+    return _raw(cache).view(-1, *cache.shape[2:])
 
 
 def _residual_sum(x, residual):

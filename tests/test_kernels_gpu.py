@@ -228,3 +228,36 @@ def test_sampled_step_cuda_does_not_sync():
         queue_busy_work(10)
         mixed = race(scores, keys[:8], 8, filters)
     assert torch.equal(mixed[:8], alone)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_pool_store_and_attention_cuda(causal):
+    # Whisper-large-v3 cross attention at C=64 (1500 keys, 20 heads x 64) and T5 self attention.
+    from enc2dec.kernels.kv_store import store_kv
+    from enc2dec.kernels.paged_attention import paged_attention
+
+    kv_lens, q_lens, heads = ([1500] * 64, [1] * 64, 20) if not causal else ([130, 7, 255, 64] * 4, [1] * 16, 16)
+    case = make_paged_case(kv_lens, q_lens, heads, 64, tokens_per_block=32, dtype=torch.bfloat16, seed=11)
+    k8 = torch.zeros_like(case["k_cache"], dtype=torch.float8_e4m3fn)
+    v8 = torch.zeros_like(k8)
+    scales = [torch.zeros(k8.shape[:3], dtype=ref.FP8_SCALE_DTYPE, device="cuda") for _ in range(2)]
+    slots = torch.arange(k8.shape[0] * k8.shape[1], device="cuda")
+    flat = lambda c: c.view(-1, heads, 64)                                        # noqa: E731
+    store_kv(flat(case["k_cache"]), flat(case["v_cache"]), k8, v8, slots, kv_scales=tuple(scales))
+    want8 = [torch.zeros_like(k8), torch.zeros_like(v8)]
+    want_scales = [torch.zeros_like(s) for s in scales]
+    ref.store_kv_ref(flat(case["k_cache"]), flat(case["v_cache"]), *want8, slots, kv_scales=tuple(want_scales))
+    assert all(torch.equal(a, b) for a, b in zip(scales, want_scales))
+    assert int((k8.view(torch.uint8).int() - want8[0].view(torch.uint8).int()).abs().max()) <= 1
+    args = (case["q"], k8, v8, case["query_start_loc"], case["kv_lens"], case["block_tables"])
+    bias = case["bias"] if causal else None
+    got = paged_attention(*args, 0.125, causal=causal, bias_table=bias, kv_scales=tuple(scales))
+    want = ref.paged_attention_ref(*args, 0.125, causal=causal, bias_table=bias, kv_scales=tuple(scales))
+    assert_close(got, want, torch.bfloat16)
+    exact = ref.paged_attention_ref(case["q"], case["k_cache"], case["v_cache"], *args[3:], 0.125, causal=causal,
+                                    bias_table=bias)
+    assert float((got.float() - exact.float()).abs().max()) < 0.1 * float(exact.float().abs().max())
+    with syncs_raise():
+        queue_busy_work(5)
+        store_kv(flat(case["k_cache"]), flat(case["v_cache"]), k8, v8, slots, kv_scales=tuple(scales))
+        paged_attention(*args, 0.125, causal=causal, bias_table=bias, kv_scales=tuple(scales))
