@@ -83,6 +83,8 @@ def bench(
     cross_kv_cache_fraction: Annotated[OptFloat, _engine("Share of the KV budget for cross-attention "
                                                          "(default: the config's, else 0.5).")] = None,
     free_gpu_memory_fraction: Annotated[OptFloat, _engine("Share of free GPU memory the KV cache takes.")] = None,
+    kv_cache_dtype: Annotated[OptStr, _engine("KV cache dtype: auto (the model's) or fp8 (e4m3 with per-row "
+                                              "scales: half of bf16's bytes; kv_cache_config.dtype).")] = None,
     tp_size: Annotated[OptInt, typer.Option("--tp-size", "--tp_size", rich_help_panel="Engine",
                                             help="Tensor-parallel GPUs (tensor_parallel_size); the attention "
                                                  "head counts must divide by it.")] = None,
@@ -164,7 +166,7 @@ def _options(o: dict):
         hf = HfDatasetSpec(o["hf_dataset"], o["hf_split"], o["hf_subset"], o["hf_prompt_field"],
                            o["hf_output_len_field"], o["hf_audio_field"])
     engine_keys = ("max_batch_size", "max_num_tokens", "max_input_len", "max_seq_len", "encoder_max_batch_size",
-                   "attn_backend", "cross_kv_cache_fraction", "free_gpu_memory_fraction")
+                   "attn_backend", "cross_kv_cache_fraction", "free_gpu_memory_fraction", "kv_cache_dtype")
     opts = BenchOptions(
         model=o["model"], load_format=o["load_format"], dtype=o["dtype"], device=o["device"], config=o["config"],
         engine_overrides={**{k: o[k] for k in engine_keys if o[k] is not None},

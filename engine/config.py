@@ -76,6 +76,9 @@ def _check_int_list(owner: str, name: str, value):
         raise ValueError(f"{owner}.{name} must be a non-empty list of positive integers, got {value!r}")
 
 
+KV_CACHE_DTYPES = ("auto", "fp8")
+
+
 @dataclass(frozen=True)
 class KvCacheConfig:
     """Both KV pools. ``cross_kv_cache_fraction`` is required for encoder-decoder models.
@@ -90,9 +93,14 @@ class KvCacheConfig:
     enable_block_reuse: bool = False
     use_kv_cache_manager_v2: bool = False
     max_cpu_memory_bytes: int = 512 << 20    # the KV budget when running on the CPU
+    # "auto": the model's dtype; "fp8": e4m3 with a float16 scale per position and head
+    # (TensorRT-LLM's key), half the bytes of bf16 for both pools.
+    dtype: str = "auto"
 
     def __post_init__(self):
         o = "kv_cache_config"
+        if self.dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"{o}.dtype={self.dtype!r} is not valid; valid: {', '.join(KV_CACHE_DTYPES)}")
         _check_fraction(o, "free_gpu_memory_fraction", self.free_gpu_memory_fraction)
         _check_fraction(o, "cross_kv_cache_fraction", self.cross_kv_cache_fraction, allow_none=True)
         _check_positive_int(o, "tokens_per_block", self.tokens_per_block)

@@ -157,8 +157,9 @@ class EngineCore:
                                       src.feature_extractor)
         self.processor.log_mel = self.runner.log_mel
         plan = self.runner.kv_plan
-        logger.info("loaded %s (%s, %s, attention=%s) in %.1f s; KV: %s", args.model, self.device,
-                    str(self.dtype).replace("torch.", ""), attn, time.perf_counter() - t0,
+        kv_dtype = "fp8 e4m3" if args.kv_cache_config.dtype == "fp8" else str(self.dtype).replace("torch.", "")
+        logger.info("loaded %s (%s, %s, attention=%s) in %.1f s; KV (%s): %s", args.model, self.device,
+                    str(self.dtype).replace("torch.", ""), attn, time.perf_counter() - t0, kv_dtype,
                     plan.describe(max_input_len, args.max_seq_len or 256))
         if self.runner.graphs is not None:
             self.limits = dataclasses.replace(self.limits, feed_prompt_one_token_per_step=True)

@@ -15,8 +15,9 @@ from enc2dec.engine.config import LlmArgs
 # The commands' share of the KV budget for cross-attention when the config leaves it unset
 # (``LLM`` itself requires it): half is the engine's advice for a start.
 DEFAULT_CROSS_KV_FRACTION = 0.5
-# Command-line options that are fields of ``kv_cache_config``, not of ``LlmArgs``.
-KV_KEYS = ("cross_kv_cache_fraction", "free_gpu_memory_fraction")
+# Command-line options that are fields of ``kv_cache_config``, not of ``LlmArgs``: option -> field.
+KV_KEYS = {"cross_kv_cache_fraction": "cross_kv_cache_fraction",
+           "free_gpu_memory_fraction": "free_gpu_memory_fraction", "kv_cache_dtype": "dtype"}
 
 
 def _config_sets(config_path: str | None, key: str) -> bool:
@@ -39,7 +40,7 @@ def build_llm_args(model: str, config_path: str | None = None, *, defaults: dict
     values for top-level options that neither the config nor an override sets (eval's batch
     size); a missing ``cross_kv_cache_fraction`` becomes ``DEFAULT_CROSS_KV_FRACTION``."""
     overrides = {k: v for k, v in overrides.items() if v is not None}
-    kv_overrides = {k: overrides.pop(k) for k in KV_KEYS if k in overrides}
+    kv_overrides = {field: overrides.pop(k) for k, field in KV_KEYS.items() if k in overrides}
     for key, value in (defaults or {}).items():
         if key not in overrides and not _config_sets(config_path, key):
             overrides[key] = value

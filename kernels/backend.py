@@ -76,20 +76,20 @@ class TritonAttentionBackend:
         self._enc_prep = (meta, bias_table, dtype, prep)
         return prep
 
-    def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
-        store_kv(k, v, k_cache, v_cache, slot_mapping)
+    def store_kv(self, k, v, k_cache, v_cache, slot_mapping, kv_scales=None) -> None:
+        store_kv(k, v, k_cache, v_cache, slot_mapping, kv_scales)
 
     def self_attention(self, q, k_cache, v_cache, meta, scale: float,
-                       bias_table: torch.Tensor | None = None) -> torch.Tensor:
+                       bias_table: torch.Tensor | None = None, kv_scales=None) -> torch.Tensor:
         """Causal attention of the new tokens q [N, H, D] over their sequences' paged K/V."""
         splits = pick_num_splits(q.shape[0], q.shape[1], max(meta.seq_lens_host, default=0), q.device,
                                  self.min_keys_per_split)
         return paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                               scale, causal=True, bias_table=bias_table, num_splits=splits)
+                               scale, causal=True, bias_table=bias_table, num_splits=splits, kv_scales=kv_scales)
 
-    def cross_attention(self, q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
+    def cross_attention(self, q, k_cache, v_cache, meta, scale: float, kv_scales=None) -> torch.Tensor:
         """Attention of q [N, H, D] over each request's encoder K/V (no mask beyond enc_len)."""
         splits = pick_num_splits(q.shape[0], q.shape[1], max(meta.enc_lens_host, default=0), q.device,
                                  self.min_keys_per_split)
         return paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.enc_lens,
-                               meta.cross_block_tables, scale, causal=False, num_splits=splits)
+                               meta.cross_block_tables, scale, causal=False, num_splits=splits, kv_scales=kv_scales)

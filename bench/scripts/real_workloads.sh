@@ -6,6 +6,8 @@
 #   serve    enc2dec serve flan-t5-large (dummy, loopback, in the background, waited for /health)
 #            + enc2dec bench --url --streaming at C=64, against sampled's greedy in-process figure
 #   fast     whisper-large-v3-turbo at C=64 and flan-t5-base at C=256, each against hf-compile
+#   fp8      whisper-large-v3 (and flan-t5-large) at C=64 with --kv-cache-dtype fp8, against the
+#            same runs with bf16 KV (wh-plain, t5-greedy: run those sections in the same call)
 # Every compared run has the same workload flags; dummy weights, bf16, one run each.
 #
 #   OUT=./gpu-out bash bench/scripts/real_workloads.sh [sampled whisper serve fast]
@@ -114,6 +116,9 @@ for section in $SECTIONS; do
     run wh-detect $LIMIT $WHRUN --detect-language
     run wh-mixed $LIMIT $WHRUN --timestamps-every $MIX ;;
   serve) serve_bench ;;
+  fp8)
+    run wh-fp8 $LIMIT $WHRUN --kv-cache-dtype fp8
+    run t5-fp8 $LIMIT $T5RUN --kv-cache-dtype fp8 ;;
   fast)
     run turbo-hfc ${FAST_LIMIT_S:-$((LIMIT * 2))} --model $WHT $COMMON $AUD --concurrency $C --num-requests $NUM \
         --baseline $FASTBASE
@@ -163,6 +168,8 @@ rows = [
     (f"turbo / {fast_base} C={c}", ratio(level("turbo-hfc", conc=c), level("turbo-hfc", fast_base, c)), 3.0),
     (f"flan-t5-base / {fast_base} C={cb}", ratio(level("t5base-hfc", conc=cb), level("t5base-hfc", fast_base, cb)), 3.0),
     ("serve stream / in-process", ratio(level("http-stream"), level("t5-greedy")), 0.90),
+    ("whisper fp8 KV / bf16 KV", ratio(level("wh-fp8"), level("wh-plain")), 12000 / 9000),
+    ("t5 fp8 KV / bf16 KV", ratio(level("t5-fp8"), level("t5-greedy")), 1.0),
 ]
 print(f"\n{'target (out tok/s ratios)':<34}{'ratio':>8}{'target':>8}  met")
 for name, r, target in rows:

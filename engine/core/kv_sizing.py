@@ -18,13 +18,18 @@ _GIB = 1 << 30
 _MIB = 1 << 20
 
 
-def kv_bytes_per_token(num_layers: int, num_heads: int, head_dim: int, dtype_bytes: int) -> int:
-    """Bytes one position takes in a pool: K and V, all decoder layers, all (local) heads."""
+FP8_SCALE_BYTES = 2        # the float16 scale an FP8 pool keeps per position and head
+
+
+def kv_bytes_per_token(num_layers: int, num_heads: int, head_dim: int, dtype_bytes: int, fp8: bool = False) -> int:
+    """Bytes one position takes in a pool: K and V, all decoder layers, all (local) heads;
+    ``fp8``: one byte per element plus each head row's scale, whatever ``dtype_bytes``."""
     for name, value in (("num_layers", num_layers), ("num_heads", num_heads),
                         ("head_dim", head_dim), ("dtype_bytes", dtype_bytes)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-    return 2 * num_layers * num_heads * head_dim * dtype_bytes
+    per_head = head_dim + FP8_SCALE_BYTES if fp8 else head_dim * dtype_bytes
+    return 2 * num_layers * num_heads * per_head
 
 
 def format_bytes(num_bytes: int) -> str:

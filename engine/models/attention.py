@@ -4,11 +4,14 @@ Models call a backend through four functions and never look at block tables
 themselves:
 
     backend.encoder_attention(q, k, v, meta, scale, bias_table)   # packed, bidirectional
-    backend.store_kv(k, v, k_cache, v_cache, slot_mapping)         # write new K/V into slots
-    backend.self_attention(q, k_cache, v_cache, meta, scale, bias_table)   # causal, paged
-    backend.cross_attention(q, k_cache, v_cache, meta, scale)      # over the request's encoder K/V
+    backend.store_kv(k, v, k_cache, v_cache, slot_mapping, kv_scales)       # write new K/V into slots
+    backend.self_attention(q, k_cache, v_cache, meta, scale, bias_table, kv_scales)   # causal, paged
+    backend.cross_attention(q, k_cache, v_cache, meta, scale, kv_scales)    # over the request's encoder K/V
 
-Cache layout, per layer and per pool: ``[num_blocks, tokens_per_block, num_heads, head_dim]``.
+``kv_scales`` is None, or an FP8 pool's (k_scale, v_scale) (``LayerKV.scales``).
+
+Cache layout, per layer and per pool: ``[num_blocks, tokens_per_block, num_heads, head_dim]``
+(FP8 pools add float16 scales ``[num_blocks, tokens_per_block, num_heads]``).
 Slot ``s`` is block ``s // tokens_per_block``, offset ``s % tokens_per_block``.
 
 T5 relative bias tables (the bucketing is done by the model, once):
@@ -69,6 +72,18 @@ class DecoderMetadata:
 class LayerKV:
     k: torch.Tensor   # [num_blocks, tokens_per_block, num_heads, head_dim]
     v: torch.Tensor
+    # FP8 pools: the float16 scale of every stored (position, head) row, [num_blocks, tokens_per_block, num_heads]
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    @property
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """What the backends take as ``kv_scales``: None for a pool in the model's dtype."""
+        return None if self.k_scale is None else (self.k_scale, self.v_scale)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor indexed by block (what a block copy must copy)."""
+        return [self.k, self.v] + ([] if self.k_scale is None else [self.k_scale, self.v_scale])
 
 
 @dataclass
@@ -84,12 +99,21 @@ class KVCache:
 
     @staticmethod
     def allocate(num_layers: int, num_heads: int, head_dim: int, tokens_per_block: int,
-                 num_self_blocks: int, num_cross_blocks: int, dtype, device) -> "KVCache":
-        def pool(n):
+                 num_self_blocks: int, num_cross_blocks: int, dtype, device, fp8: bool = False) -> "KVCache":
+        """``fp8``: e4m3 pools with float16 scales (``kv_cache_config.dtype="fp8"``), else ``dtype``."""
+        from enc2dec.kernels.reference import FP8_SCALE_DTYPE
+
+        def layer(n):
             shape = (n, tokens_per_block, num_heads, head_dim)
-            return [LayerKV(torch.zeros(shape, dtype=dtype, device=device),
-                            torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
-        return KVCache(pool(num_self_blocks), pool(num_cross_blocks))
+            if not fp8:
+                return LayerKV(torch.zeros(shape, dtype=dtype, device=device),
+                               torch.zeros(shape, dtype=dtype, device=device))
+            k, v = (torch.zeros(shape, dtype=torch.float8_e4m3fn, device=device) for _ in range(2))
+            k_scale, v_scale = (torch.zeros(shape[:3], dtype=FP8_SCALE_DTYPE, device=device) for _ in range(2))
+            return LayerKV(k, v, k_scale, v_scale)
+
+        return KVCache([layer(num_self_blocks) for _ in range(num_layers)],
+                       [layer(num_cross_blocks) for _ in range(num_layers)])
 
 
 def get_attention_backend(name: str, min_keys_per_split: int = 32):

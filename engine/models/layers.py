@@ -181,8 +181,8 @@ class SelfAttention(nn.Module):
 
     def decode(self, x: torch.Tensor, meta: DecoderMetadata, kv: LayerKV, bias_table: torch.Tensor | None = None):
         q, k, v = self._split_qkv(x)                                              # [N, H, D]
-        self.backend.store_kv(k, v, kv.k, kv.v, meta.slot_mapping)
-        o = self.backend.self_attention(q, kv.k, kv.v, meta, self.scale, bias_table)
+        self.backend.store_kv(k, v, kv.k, kv.v, meta.slot_mapping, kv.scales)
+        o = self.backend.self_attention(q, kv.k, kv.v, meta, self.scale, bias_table, kv.scales)
         return self.out_proj(o.reshape(x.shape[0], -1))
 
 
@@ -203,9 +203,9 @@ class CrossAttention(nn.Module):
 
     def write_kv(self, enc_hidden: torch.Tensor, slot_mapping: torch.Tensor, kv: LayerKV) -> None:
         k, v = self.kv(enc_hidden).view(enc_hidden.shape[0], 2, self.num_heads, self.head_dim).unbind(1)
-        self.backend.store_kv(k, v, kv.k, kv.v, slot_mapping)                    # k, v: [T_enc, H, D]
+        self.backend.store_kv(k, v, kv.k, kv.v, slot_mapping, kv.scales)         # k, v: [T_enc, H, D]
 
     def forward(self, x: torch.Tensor, meta: DecoderMetadata, kv: LayerKV) -> torch.Tensor:
         q = self.q_proj(x).view(x.shape[0], self.num_heads, self.head_dim)      # [N, H, D]
-        o = self.backend.cross_attention(q, kv.k, kv.v, meta, self.scale)
+        o = self.backend.cross_attention(q, kv.k, kv.v, meta, self.scale, kv.scales)
         return self.out_proj(o.reshape(x.shape[0], -1))

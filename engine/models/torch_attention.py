@@ -9,12 +9,15 @@ built at the first layer and reused by the others, keyed by the identity of the 
 metadata; and a decode step (one new token per sequence) runs one batched 4-D
 ``scaled_dot_product_attention`` per layer, which also picks PyTorch's fused CPU kernel
 (3-D inputs fall to the unfused math path). Prefixes and recompute after preemption (query
-lengths above one) take the per-sequence loop.
+lengths above one) take the per-sequence loop. FP8 pools (``kv_scales``) run the kernels'
+torch references: correct everywhere, fast only on the GPU path.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from enc2dec.kernels.reference import paged_attention_ref, store_kv_ref
 
 # Cross-attention over encoder K/V longer than this reads each request's blocks as a view of
 # the pool when they are consecutive, instead of gathering a copy every step and layer (a
@@ -101,8 +104,10 @@ class TorchAttentionBackend:
         return bias
 
     # ---- cache writes -----------------------------------------------------------------------
-    def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+    def store_kv(self, k, v, k_cache, v_cache, slot_mapping, kv_scales=None) -> None:
         # k, v: [N, H, D]; slot_mapping: [N], a negative slot (padding) is skipped
+        if kv_scales is not None:               # FP8 pools: the reference quantises (no CPU fast path)
+            return store_kv_ref(k, v, k_cache, v_cache, slot_mapping, kv_scales)
         keep = self._kept(slot_mapping)
         if keep is not None:
             slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
@@ -125,8 +130,11 @@ class TorchAttentionBackend:
         return self._dec[1]
 
     def self_attention(self, q, k_cache, v_cache, meta, scale: float,
-                       bias_table: torch.Tensor | None = None) -> torch.Tensor:
+                       bias_table: torch.Tensor | None = None, kv_scales=None) -> torch.Tensor:
         # q: [N, H, D]; the new tokens' K/V are already stored.
+        if kv_scales is not None:
+            return paged_attention_ref(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                                       scale, causal=True, bias_table=bias_table, kv_scales=kv_scales)
         step = self._step_cache(meta)
         if not step["is_decode"]:
             return self._self_attention_loop(q, k_cache, v_cache, meta, scale, bias_table)
@@ -175,7 +183,10 @@ class TorchAttentionBackend:
             out[s:s + qn] = o[0].transpose(0, 1)
         return out
 
-    def cross_attention(self, q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
+    def cross_attention(self, q, k_cache, v_cache, meta, scale: float, kv_scales=None) -> torch.Tensor:
+        if kv_scales is not None:
+            return paged_attention_ref(q, k_cache, v_cache, meta.query_start_loc, meta.enc_lens,
+                                       meta.cross_block_tables, scale, causal=False, kv_scales=kv_scales)
         step = self._step_cache(meta)
         tpb = k_cache.shape[1]
         if "cross" not in step:

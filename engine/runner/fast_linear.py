@@ -121,7 +121,8 @@ class StoreInGemv(SelfAttention):
     """Decoder self-attention whose one-row q|k|v GEMV also writes k and v into the cache."""
 
     def decode(self, x, meta, kv, bias_table=None):
-        if not (_one_row(x) and kv.k.is_contiguous() and kv.v.is_contiguous()):
+        # An FP8 pool quantises in the store kernel, which the GEMV epilogue does not do.
+        if not (_one_row(x) and kv.scales is None and kv.k.is_contiguous() and kv.v.is_contiguous()):
             return super().decode(x, meta, kv, bias_table)
         qkv = skinny_linear(x, self.qkv.weight, self.qkv.bias, kv_store=(kv.k, kv.v, meta.slot_mapping))
         q = qkv.view(1, 3, self.num_heads, self.head_dim)[:, 0]                  # [1, H, D]

@@ -101,7 +101,8 @@ class ModelRunner:
         self.kv_plan = self._plan_kv(self._profile_encoder_activations(max_input_len))
         self.kv = KVCache.allocate(self.model.num_decoder_layers, self.model.num_decoder_heads,
                                    self.model.decoder_head_dim, self.tokens_per_block,
-                                   self.kv_plan.num_self_blocks, self.kv_plan.num_cross_blocks, dtype, device)
+                                   self.kv_plan.num_self_blocks, self.kv_plan.num_cross_blocks, dtype, device,
+                                   fp8=args.kv_cache_config.dtype == "fp8")
         self.sampler = Sampler()
         self.states: dict[str, dict[int, SeqSamplingState]] = {}
         self._prev_tokens: torch.Tensor | None = None     # last step's samples, on the device
@@ -202,7 +203,8 @@ class ModelRunner:
     def _plan_kv(self, activation_bytes: int = 0):
         kvc = self.args.kv_cache_config
         per_token = kv_bytes_per_token(self.model.num_decoder_layers, self.model.num_decoder_heads,
-                                       self.model.decoder_head_dim, torch.tensor([], dtype=self.dtype).element_size())
+                                       self.model.decoder_head_dim, torch.tensor([], dtype=self.dtype).element_size(),
+                                       fp8=kvc.dtype == "fp8")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             free_bytes, _ = torch.cuda.mem_get_info(self.device)
@@ -273,8 +275,9 @@ class ModelRunner:
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         src, dst = to_device(copies, torch.long, self.device).t()            # one copy: [2, n]
         for layer in self.kv.self_kv:
-            for cache in (layer.k, layer.v):                   # [num_blocks, tokens_per_block, heads, head_dim]
-                cache.index_copy_(0, dst, cache.index_select(0, src))
+            for t in layer.tensors():                          # [num_blocks, tokens_per_block, ...]
+                rows = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t   # no float8 index_copy_
+                rows.index_copy_(0, dst, rows.index_select(0, src))
 
     def _placeholder_sources(self, seqs: list[ScheduledSeq]):
         """(flat token index, row of the previous step's samples) for every placeholder input."""
