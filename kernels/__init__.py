@@ -75,10 +75,18 @@ class lazy_jit:
         def __init__(self, fn):
             self.fn = fn
 
-    def __init__(self, fn):
-        self.fn = fn
+    def __init__(self, fn=None, *, do_not_specialize: tuple[str, ...] = ()):
+        # ``lazy_jit(do_not_specialize=(...))`` names integer arguments that change from launch
+        # to launch (Triton otherwise compiles a variant for 1 and for multiples of 16)
+        self.do_not_specialize = do_not_specialize
         self._kernel = None
-        functools.update_wrapper(self, fn)
+        self.fn = fn
+        if fn is not None:
+            functools.update_wrapper(self, fn)
+
+    def __call__(self, fn):
+        # the decorator form with options: @lazy_jit(do_not_specialize=(...))
+        return lazy_jit(fn, do_not_specialize=self.do_not_specialize)
 
     def __getitem__(self, grid):
         if self._kernel is None:
@@ -94,7 +102,7 @@ class lazy_jit:
             for name, value in list(module.items()):
                 if isinstance(value, lazy_jit.helper):
                     module[name] = triton.jit(value.fn)
-            self._kernel = triton.jit(self.fn)
+            self._kernel = triton.jit(self.fn, do_not_specialize=list(self.do_not_specialize) or None)
         return self._kernel[grid]
 
 

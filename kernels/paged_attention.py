@@ -37,7 +37,7 @@ MIN_KEYS_PER_SPLIT = 32
 _PROGRAMS_PER_SM = 16
 
 
-@lazy_jit
+@lazy_jit(do_not_specialize=("num_seqs", "num_search_steps"))   # eager steps vary them
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, m_ptr, l_ptr,
     qsl_ptr, kv_lens_ptr, block_tables_ptr, bias_ptr, k_scale_ptr, v_scale_ptr,

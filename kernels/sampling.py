@@ -56,7 +56,7 @@ def _race_values(s, tokens, row0, row1):
     return s - tl.log(-tl.log(u))
 
 
-@lazy_jit
+@lazy_jit(do_not_specialize=("num_seeded",))    # 0..rows, any step: one compiled variant
 def _gumbel_race_kernel(scores_ptr, seeded_ptr, fresh_ptr, out_ptr, vocab, num_seeded,
                         stride_s, stride_seeded, stride_fresh, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -77,7 +77,7 @@ def _gumbel_race_kernel(scores_ptr, seeded_ptr, fresh_ptr, out_ptr, vocab, num_s
     tl.store(out_ptr + row, winner.to(tl.int64))
 
 
-@lazy_jit
+@lazy_jit(do_not_specialize=("num_seeded",))
 def _filtered_race_kernel(scores_ptr, floor_ptr, top_p_ptr, min_p_ptr, seeded_ptr, fresh_ptr, out_ptr,
                           vocab, num_seeded, stride_s, stride_seeded, stride_fresh, BLOCK: tl.constexpr):
     # The winner of the race over the row's filtered tokens (reference.filter_scores_ref),

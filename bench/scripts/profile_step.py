@@ -35,6 +35,7 @@ def main() -> None:
     ap.add_argument("--top-p", type=float, default=None)
     ap.add_argument("--top-k", type=int, default=None)
     ap.add_argument("--seed", type=int, default=None, help="seeded sampling (one stream per request)")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--json", default=None, help="write the kernel table here")
     ap.add_argument("--cpu-profile", action="store_true",
@@ -43,7 +44,7 @@ def main() -> None:
 
     extra = {} if a.graphs == "on" else {"cuda_graph_config": None}
     args = LlmArgs.from_dict(extra, model=a.model, load_format="dummy", dtype="bfloat16",
-                             kv_cache_config=KvCacheConfig(cross_kv_cache_fraction=0.5),
+                             kv_cache_config=KvCacheConfig(cross_kv_cache_fraction=0.5, dtype=a.kv_cache_dtype),
                              disable_overlap_scheduler=a.overlap == "off")
     if a.cpu_profile:
         return cpu_profile(args, a)
@@ -75,7 +76,7 @@ def main() -> None:
     busy_us = sum(v[1] for v in kernels.values())
     count = sum(v[0] for v in kernels.values())
     print(f"\n{a.model} C={a.concurrency} graphs={a.graphs} overlap={a.overlap} out={a.output_len} "
-          f"temperature={a.temperature} top_p={a.top_p} top_k={a.top_k} seed={a.seed}")
+          f"temperature={a.temperature} top_p={a.top_p} top_k={a.top_k} seed={a.seed} kv={a.kv_cache_dtype}")
     print(f"wall {wall_plain * 1e3:.1f} ms unprofiled ({wall_plain * 1e3 / steps:.3f} ms/step), "
           f"{wall * 1e3:.1f} ms profiled; GPU busy {busy_us / 1e3:.1f} ms ({busy_us / 1e3 / steps:.3f} ms/step); "
           f"{count} kernels ({count / steps:.0f}/step)")
