@@ -18,6 +18,11 @@ from enc2dec.engine.outputs import RequestOutput
 from enc2dec.engine.sampling_params import SamplingParams
 
 
+def _set_all(events) -> None:
+    for event in events:
+        event.set()
+
+
 class RequestHandle:
     """A request in flight. ``result()`` blocks, ``await handle`` / ``aresult()`` await, and
     iterating (sync or async) yields each streamed ``RequestOutput`` until the last."""
@@ -32,15 +37,15 @@ class RequestHandle:
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
 
     # called from the engine thread
-    def _push(self, out: RequestOutput) -> None:
+    def _push(self, out: RequestOutput) -> list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]:
+        """Record ``out``; returns the async waiters to wake (``LLM._deliver`` wakes each event
+        loop once per step, not once per request)."""
         with self._cond:
             self._updates.append(out)
             if out.finished:
                 self._final = out
             self._cond.notify_all()
-            waiters = list(self._waiters)
-        for loop, event in waiters:
-            loop.call_soon_threadsafe(event.set)
+            return list(self._waiters)
 
     def done(self) -> bool:
         return self._final is not None
@@ -228,13 +233,19 @@ class LLM:
         self._wake.set()
 
     def _deliver(self, outputs: Iterable[RequestOutput]) -> None:
+        wake: dict[asyncio.AbstractEventLoop, list[asyncio.Event]] = {}
         for out in outputs:
             handle = self._handles.get(out.request_id)
             if handle is None:
                 continue
             if out.finished:
                 del self._handles[out.request_id]
-            handle._push(out)
+            for loop, event in handle._push(out):
+                wake.setdefault(loop, []).append(event)
+        # One thread-safe call per event loop per step: each is a write to the loop's wake-up
+        # pipe, and a streaming server would otherwise make one per request per token.
+        for loop, events in wake.items():
+            loop.call_soon_threadsafe(_set_all, events)
 
     def _loop(self) -> None:
         core = self._core

@@ -265,8 +265,11 @@ class Batch:
                     metrics.finished.labels(reason="cancelled").inc()
 
     async def stream(self) -> AsyncIterator[tuple[int, Any]]:
-        """(prompt index, cumulative RequestOutput) as each arrives, all prompts interleaved.
-        Ends early when the batch is closed; ``cut_reason`` then says whether it was cut."""
+        """(prompt index, cumulative RequestOutput) as they arrive, all prompts interleaved.
+        Outputs that queued up while the consumer was busy are coalesced to each prompt's
+        newest (they are cumulative, so nothing is lost): under load one event carries the
+        tokens of several engine steps. Ends early when the batch is closed; ``cut_reason``
+        then says whether it was cut."""
         queue: asyncio.Queue = asyncio.Queue()
         self._queue = queue
 
@@ -281,13 +284,22 @@ class Batch:
         try:
             remaining = len(tasks)
             while remaining and not self._closed:
-                i, out = await queue.get()
-                if i < 0:
+                items = [await queue.get()]
+                while not queue.empty():
+                    items.append(queue.get_nowait())
+                newest: dict[int, Any] = {}
+                cut = False
+                for i, out in items:
+                    if i < 0:
+                        cut = True
+                    elif out is None:
+                        remaining -= 1
+                    else:
+                        newest[i] = out
+                for i, out in newest.items():
+                    yield i, out
+                if cut:
                     break
-                if out is None:
-                    remaining -= 1
-                    continue
-                yield i, out
         finally:
             for t in tasks:
                 t.cancel()
