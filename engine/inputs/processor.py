@@ -121,7 +121,8 @@ class InputProcessor:
             ids = _token_ids(ids)
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
-                raise ValueError(f"decoder prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+                raise ValueError(f"decoder prompt token ids {bad[:5]} are outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
         shown = prompt[:60] if prompt else ids[:8]
         sot, prev = self.decoder_start_token_id, self._start_of_prev()
         if not ids or (ids[0] != sot and not (prev is not None and ids[0] == prev and sot in ids)):
