@@ -124,3 +124,17 @@ def test_cli_bad_decoding_options_are_usage_errors(real_whisper, args, needle):
     clip = str(real_whisper.manifest.parent / NAME_CLIP)
     r = _cli(clip, "--model", str(real_whisper.tiny_en), *args)
     assert r.exit_code == 2 and needle in r.stderr, r.output
+
+
+def test_condition_on_previous_text_carries_the_prompt_into_the_next_window(real_whisper, tiny_llm):
+    # 36 s of other speech, then the name: the name is heard in the second sequential window.
+    names = ["0880", "0890", "0920", "0930", "0880", "0890", "0920"]
+    gap = np.zeros(8000, np.float32)
+    parts = [np.concatenate([_wave(real_whisper, f"sense_and_sensibility_01_austen_64kb-{n}.wav"), gap])
+             for n in names]
+    wave = (np.concatenate(parts + [_wave(real_whisper, NAME_CLIP)]), 16000)
+    alone, carried = (transcribe(tiny_llm, [wave], strategy="sequential", initial_prompt=SPELLING_PROMPT,
+                                 condition_on_previous_text=on)[0] for on in (False, True))
+    assert alone.num_windows == carried.num_windows == 2
+    # Without conditioning only the first window sees the initial prompt.
+    assert "Dashwood" in alone.text and "Dashwode" in carried.text

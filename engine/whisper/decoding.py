@@ -123,9 +123,20 @@ def prompt_tokens(start_of_prev: int, hotword_ids: list[int], previous_ids: list
     return [start_of_prev, *hot, *prev] if hot or prev else []
 
 
-def next_previous_ids(previous_ids: list[int], window_text_ids: list[int], stats: WindowStats) -> list[int]:
+def kept_tokens(ids: list[int], eot: int, timestamp_begin: int, consumed_all: bool) -> list[int]:
+    """The part of a window's output the next window starts after, timestamps included (the
+    original conditions on them, which keeps the next window emitting timestamps): through the
+    last closed timestamp pair, or everything when the whole window was consumed."""
+    ids = [t for t in ids if t != eot]
+    if consumed_all:
+        return ids
+    pair_ends = [i for i in range(1, len(ids)) if ids[i] >= timestamp_begin and ids[i - 1] >= timestamp_begin]
+    return ids[:pair_ends[-1]] if pair_ends else ids
+
+
+def next_previous_ids(previous_ids: list[int], window_ids: list[int], stats: WindowStats) -> list[int]:
     """The text a sequential window passes on to the next: all so far, reset after a window
     decoded hot (its text is likely wrong, and conditioning on it makes the next wrong too)."""
     if stats.temperature > PROMPT_RESET_TEMPERATURE:
         return []
-    return (previous_ids + window_text_ids)[-MAX_PROMPT_TOKENS:]
+    return (previous_ids + window_ids)[-MAX_PROMPT_TOKENS:]

@@ -26,8 +26,8 @@ from enc2dec.engine.whisper.longform import (MIN_WINDOW_S, WINDOW_S, Merged, chu
                                              merge_chunk, merged_pieces, monotonic, parse_window)
 from enc2dec.engine.sampling_params import SamplingParams
 from enc2dec.engine.whisper.decoding import (DecodeOptions, WindowStats, avg_logprob, best_sample,
-                                             compression_ratio, is_no_speech, needs_fallback, next_previous_ids,
-                                             prompt_tokens, temperatures)
+                                             compression_ratio, is_no_speech, kept_tokens, needs_fallback,
+                                             next_previous_ids, prompt_tokens, temperatures)
 from enc2dec.engine.whisper.results import Segment, Transcript, TranscribeProgress
 from enc2dec.engine.whisper.tokens import MAX_INITIAL_TIMESTAMP_INDEX, decoding_rules, engine_whisper_info
 
@@ -212,8 +212,12 @@ class _Run:
             for p in kept:
                 self._piece_stats[id(p)] = ids.stats
             pieces += kept
-            previous = next_previous_ids(previous, [tok for p in kept for tok in p.token_ids], ids.stats) \
-                if self.options.condition_on_previous_text else []
+            if self.options.condition_on_previous_text:
+                done = kept_tokens(ids, self.tokens.eot, self.tokens.timestamp_begin,
+                                   not use_ts or result.consumed_s >= length_s)
+                previous = next_previous_ids(previous, done, ids.stats)
+            else:
+                previous = []
             step = max(1, int(round(result.consumed_s * self.sample_rate)))
             self._advance(t, min(step, len(wave) - seek) / self.sample_rate)
             seek += step
