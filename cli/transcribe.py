@@ -96,8 +96,8 @@ def transcribe(
                                            "Norland Park.'", D)] = None,
     hotwords: Annotated[OptStr, option("Words to prompt every window with (faster-whisper's hotwords), e.g. "
                                      "'Dashwood Norland'.", D)] = None,
-    prefix: Annotated[OptStr, option("Text the transcript of each file must start with (audio of at most 30 s "
-                                   "without timestamps), e.g. 'And Mr. John'.", D)] = None,
+    prefix: Annotated[OptStr, option("Text the transcript of each file starts with (forced after the task "
+                                   "tokens of its first window), e.g. 'And Mr. John'.", D)] = None,
     output_format: Annotated[str, option("txt, srt, vtt, json, tsv, a comma list of them, or all (all and lists "
                                        "need --output-dir).", O, "--output-format", "-f")] = "txt",
     output_dir: Annotated[OptStr, option("Write one file per input and format here (default: the text to "

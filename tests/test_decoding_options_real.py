@@ -138,3 +138,15 @@ def test_condition_on_previous_text_carries_the_prompt_into_the_next_window(real
     assert alone.num_windows == carried.num_windows == 2
     # Without conditioning only the first window sees the initial prompt.
     assert "Dashwood" in alone.text and "Dashwode" in carried.text
+
+
+def test_a_prefix_starts_the_transcript_with_and_without_timestamps(real_whisper, tiny_llm):
+    clip = str(real_whisper.manifest.parent / NAME_CLIP)
+    prefix = "And Mister John"          # the audio says "and mister john"; unprompted tiny.en writes "Mr."
+    (plain,) = transcribe(tiny_llm, [clip])
+    (flat,) = transcribe(tiny_llm, [clip], prefix=prefix)
+    (timed,) = transcribe(tiny_llm, [clip], prefix=prefix, timestamps=True, strategy="sequential")
+    assert "Mr. John" in plain.text and flat.text.startswith(prefix + " Dashwood")
+    # With timestamps the prefix opens the first segment at 0.0 and decoding continues it.
+    assert timed.text == flat.text and timed.segments[0].start_s == 0.0
+    assert timed.segments[0].text.startswith(prefix + " Dashwood") and len(timed.segments) >= 2

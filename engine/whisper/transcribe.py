@@ -36,11 +36,6 @@ TASKS = ("transcribe", "translate")
 MAX_WINDOW_TOKENS = 224          # per window, as the original Whisper: half the decoder context
 
 
-# Timestamp rules count from the first sampled token, so after a prefix they would force a
-# timestamp in mid-sentence; without timestamps the prefix is plain hidden prompt text.
-_PREFIX_NEEDS = "prefix needs a window decoded without timestamps: audio of at most 30 s, no timestamps"
-
-
 class _DecodeError(RuntimeError):
     pass
 
@@ -165,8 +160,12 @@ class _Run:
                 return self._done(t, duration)
             finally:
                 self._started.discard(id(t))
+                windows = self._file_stats.pop(id(t), [])
+                by_piece = self._piece_stats.pop(id(t), {})
             # monotonic() makes new pieces in the same order; the window stats follow by position.
-            stats = [self._piece_stats.pop(id(p), None) or WindowStats() for p in raw]
+            # A file of one window (any strategy) has its segments from that window alone.
+            alone = windows[0] if len(windows) == 1 else WindowStats()
+            stats = [by_piece.get(id(p), alone) for p in raw]
             pieces = monotonic(raw, t.duration_s)
             t.text = self._text([tok for p in pieces for tok in p.token_ids])
             if self.timestamps:
@@ -210,7 +209,7 @@ class _Run:
             result = parse_window(ids, self.tokens.eot, self.tokens.timestamp_begin, start_s, length_s, use_ts)
             kept = closed_pieces(result, start_s) if use_ts else result.pieces
             for p in kept:
-                self._piece_stats[id(p)] = ids.stats
+                self._piece_stats.setdefault(id(t), {})[id(p)] = ids.stats
             pieces += kept
             if self.options.condition_on_previous_text:
                 done = kept_tokens(ids, self.tokens.eot, self.tokens.timestamp_begin,
@@ -266,14 +265,16 @@ class _Run:
         return merged_pieces(merged)
 
     # ---- one window = one engine request ----------------------------------------------------
-    def _processors(self, detect: bool, use_ts: bool, cap_first_timestamp: bool) -> tuple[list, int]:
+    def _processors(self, detect: bool, use_ts: bool, cap_first_timestamp: bool,
+                    open_segment_at: int | None = None) -> tuple[list, int]:
         """The logits rules of a window, and how many forced tokens precede its text. Shared by
         every window of the run: they hold no per-request state."""
-        key = (detect, use_ts, cap_first_timestamp)
+        key = (detect, use_ts, cap_first_timestamp, open_segment_at)
         if key not in self._rules:
             self._rules[key] = decoding_rules(
                 self.tokens, detect_language=detect, timestamps=use_ts, task=self.task,
-                max_initial_timestamp_index=MAX_INITIAL_TIMESTAMP_INDEX if cap_first_timestamp else None)
+                max_initial_timestamp_index=MAX_INITIAL_TIMESTAMP_INDEX if cap_first_timestamp else None,
+                open_segment_at=open_segment_at)
         return self._rules[key]
 
     def _set_decoding(self, o: DecodeOptions) -> None:
@@ -288,13 +289,13 @@ class _Run:
         if o.prefix and self.language is None:
             raise ValueError("prefix needs the language (pass language=...): the first window's language is "
                              "otherwise detected where the prefix would go")
-        if o.prefix and self.timestamps:
-            raise ValueError(_PREFIX_NEEDS)
         self.initial_prompt_ids = self._encode("initial_prompt", o.initial_prompt)
         self.hotword_ids = self._encode("hotwords", o.hotwords)
         self.prefix_ids = self._encode("prefix", o.prefix)
         self._started: set[int] = set()             # id(Transcript) of files whose first window began
-        self._piece_stats: dict[int, WindowStats] = {}
+        # Per file (id(Transcript)): each window's stats in order, and the sequential pieces' own.
+        self._file_stats: dict[int, list[WindowStats]] = {}
+        self._piece_stats: dict[int, dict[int, WindowStats]] = {}
 
     def _encode(self, name: str, text: str | None) -> list[int]:
         if not text or not text.strip():
@@ -315,28 +316,30 @@ class _Run:
         first = id(t) not in self._started
         self._started.add(id(t))
         prefix_ids = self.prefix_ids if first else []
-        if prefix_ids and use_ts:
-            raise ValueError(_PREFIX_NEEDS)
+        # With timestamps the prefix opens the first segment at <|0.00|>.
+        forced = ([self.tokens.timestamp_begin] if use_ts and prefix_ids else []) + prefix_ids
         previous_ids = self.initial_prompt_ids if previous_ids is None else previous_ids
         hot = [] if prefix_ids else self.hotword_ids          # faster-whisper's: hotwords when no prefix
         prompt = prompt_tokens(self.start_of_prev, hot, previous_ids) if self.start_of_prev is not None else []
         for attempt, temperature in enumerate(o.temperatures, start=1):
             ids, stats = await self._attempt(window, t, use_ts, language_known, cap_first_timestamp, prompt,
-                                             prefix_ids, temperature)
+                                             forced, temperature)
             stats = WindowStats(temperature, stats.avg_logprob, stats.compression_ratio, stats.no_speech_prob,
                                 attempt)
             if not needs_fallback(stats, o):
                 break
+        self._file_stats.setdefault(id(t), []).append(stats)
         if is_no_speech(stats, o):
             return WindowTokens([], stats)
-        return WindowTokens(prefix_ids + ids, stats)
+        return WindowTokens(forced + ids, stats)
 
-    async def _attempt(self, window, t, use_ts, language_known, cap_first_timestamp, prompt, prefix_ids,
+    async def _attempt(self, window, t, use_ts, language_known, cap_first_timestamp, prompt, forced,
                        temperature) -> tuple[list[int], WindowStats]:
         tok = self.tokens
         detect = t.language is None
-        decoder_prompt = prompt + tok.prefix(t.language, self.task, use_ts) + prefix_ids
-        processors, begin = self._processors(detect, use_ts, cap_first_timestamp)
+        decoder_prompt = prompt + tok.prefix(t.language, self.task, use_ts) + forced
+        processors, begin = self._processors(detect, use_ts, cap_first_timestamp,
+                                             tok.timestamp_begin if use_ts and forced else None)
         beam = temperature == 0 and self.beam_size > 1
         sampled = temperature > 0
         params = SamplingParams(
