@@ -173,7 +173,7 @@ def _decode_options(o: dict) -> dict:
               condition_on_previous_text=o["condition_on_previous_text"], initial_prompt=o["initial_prompt"],
               hotwords=o["hotwords"], prefix=o["prefix"])
     try:
-        DecodeOptions(kw["temperature"], *(kw[k] for k in list(kw)[1:]))
+        DecodeOptions(temperatures=kw["temperature"], **{k: v for k, v in kw.items() if k != "temperature"})
     except ValueError as e:
         raise _UsageError("--" + str(e).replace("_", "-")) from None
     if o["condition_on_previous_text"] and o["strategy"] != "sequential":

@@ -120,3 +120,11 @@ def test_bad_prefix_logprob_requests_fail_alone(tiny_llm):
         SamplingParams(prefix_logprob_token_ids=[])
     with pytest.raises(ValueError, match="must begin with <|startoftranscript|>"):
         tiny_llm.generate({"prompt_token_ids": [5, 6], "multi_modal_data": {"audio": [_clip()]}}, SamplingParams())
+
+
+def test_the_servers_temperature_is_where_the_fallback_starts():
+    from enc2dec.serve.audio import fallback_temperatures
+
+    assert fallback_temperatures(0.0) == (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+    assert fallback_temperatures(0.5) == (0.5, 0.7, 0.9)
+    assert fallback_temperatures(1.0) == (1.0,)

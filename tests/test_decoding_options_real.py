@@ -109,6 +109,8 @@ def test_cli_decoding_options_reach_the_transcript(real_whisper, tmp_path):
     assert r.exit_code == 0, r.output
     out = json.loads(next(tmp_path.glob("*.json")).read_text())
     assert "Dashwode" in out["text"]
+    assert out["segments"] and all(0 < s["no_speech_prob"] < 0.1 and s["avg_logprob"] < 0 and s["temperature"] == 0
+                                   for s in out["segments"])
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -150,3 +152,14 @@ def test_a_prefix_starts_the_transcript_with_and_without_timestamps(real_whisper
     # With timestamps the prefix opens the first segment at 0.0 and decoding continues it.
     assert timed.text == flat.text and timed.segments[0].start_s == 0.0
     assert timed.segments[0].text.startswith(prefix + " Dashwood") and len(timed.segments) >= 2
+
+
+def test_hotwords_prompt_like_an_initial_prompt_unless_a_prefix_is_given(real_whisper, tiny_llm):
+    clip = str(real_whisper.manifest.parent / NAME_CLIP)
+    (hot,) = transcribe(tiny_llm, [clip], hotwords=SPELLING_PROMPT)
+    (prompted,) = transcribe(tiny_llm, [clip], initial_prompt=SPELLING_PROMPT)
+    assert hot.text == prompted.text and "Dashwode" in hot.text      # the same <|startofprev|> prompt
+    # faster-whisper's rule: with a prefix the hotwords are left out.
+    (prefixed,) = transcribe(tiny_llm, [clip], prefix="And Mister John")
+    (both,) = transcribe(tiny_llm, [clip], prefix="And Mister John", hotwords=SPELLING_PROMPT)
+    assert both.text == prefixed.text and "Dashwood" in both.text

@@ -16,6 +16,7 @@ decode together in the engine's batches. A file that cannot be read or decoded g
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -25,7 +26,7 @@ from enc2dec.engine.whisper.audio import AudioError, load_audio, probe_duration_
 from enc2dec.engine.whisper.longform import (MIN_WINDOW_S, WINDOW_S, Merged, chunk_windows, closed_pieces,
                                              merge_chunk, merged_pieces, monotonic, parse_window)
 from enc2dec.engine.sampling_params import SamplingParams
-from enc2dec.engine.whisper.decoding import (DecodeOptions, WindowStats, avg_logprob, best_sample,
+from enc2dec.engine.whisper.decoding import (MAX_PROMPT_TOKENS, DecodeOptions, WindowStats, avg_logprob, best_sample,
                                              compression_ratio, is_no_speech, kept_tokens, needs_fallback,
                                              next_previous_ids, prompt_tokens, temperatures)
 from enc2dec.engine.whisper.results import Segment, Transcript, TranscribeProgress
@@ -75,8 +76,10 @@ async def transcribe_async(llm, sources: Sequence, *, language: str | None = Non
                            no_speech_threshold: float | None = 0.6, best_of: int = 5,
                            condition_on_previous_text: bool = False, initial_prompt: str | None = None,
                            hotwords: str | None = None, prefix: str | None = None) -> list[Transcript]:
-    options = DecodeOptions(temperatures(temperature), compression_ratio_threshold, logprob_threshold,
-                            no_speech_threshold, best_of, condition_on_previous_text, initial_prompt, hotwords, prefix)
+    options = DecodeOptions(temperatures(temperature), compression_ratio_threshold=compression_ratio_threshold,
+                            logprob_threshold=logprob_threshold, no_speech_threshold=no_speech_threshold,
+                            best_of=best_of, condition_on_previous_text=condition_on_previous_text,
+                            initial_prompt=initial_prompt, hotwords=hotwords, prefix=prefix)
     run = _Run(llm, language, task, strategy, timestamps, batch_size, progress or TranscribeProgress(), beam_size,
                options)
     named = [(_name(s, i), s) for i, s in enumerate(sources)]
@@ -291,7 +294,7 @@ class _Run:
                              "otherwise detected where the prefix would go")
         self.initial_prompt_ids = self._encode("initial_prompt", o.initial_prompt)
         self.hotword_ids = self._encode("hotwords", o.hotwords)
-        self.prefix_ids = self._encode("prefix", o.prefix)
+        self.prefix_ids = self._encode("prefix", o.prefix)[:MAX_PROMPT_TOKENS]     # faster-whisper's bound
         self._started: set[int] = set()             # id(Transcript) of files whose first window began
         # Per file (id(Transcript)): each window's stats in order, and the sequential pieces' own.
         self._file_stats: dict[int, list[WindowStats]] = {}
@@ -324,8 +327,7 @@ class _Run:
         for attempt, temperature in enumerate(o.temperatures, start=1):
             ids, stats = await self._attempt(window, t, use_ts, language_known, cap_first_timestamp, prompt,
                                              forced, temperature)
-            stats = WindowStats(temperature, stats.avg_logprob, stats.compression_ratio, stats.no_speech_prob,
-                                attempt)
+            stats = dataclasses.replace(stats, num_attempts=attempt)
             if not needs_fallback(stats, o):
                 break
         self._file_stats.setdefault(id(t), []).append(stats)
