@@ -97,6 +97,14 @@ def test_the_no_speech_rule_skips_silence_and_keeps_speech(real_whisper, tiny_ll
     assert "Dashwood" in spoken.text
 
 
+def test_library_refuses_options_it_cannot_honour(real_whisper, tiny_llm):
+    clip = str(real_whisper.manifest.parent / NAME_CLIP)
+    with pytest.raises(ValueError, match="condition_on_previous_text needs strategy 'sequential'"):
+        transcribe(tiny_llm, [clip], condition_on_previous_text=True)
+    with pytest.raises(ValueError, match="temperature must be a number >= 0"):
+        transcribe(tiny_llm, [clip], temperature=(0.0, -0.5))
+
+
 def _cli(*args):
     return CliRunner().invoke(app, ["transcribe", *args])
 

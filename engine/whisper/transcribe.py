@@ -289,6 +289,9 @@ class _Run:
         if (o.condition_on_previous_text or o.initial_prompt or o.hotwords) and self.start_of_prev is None:
             raise ValueError("this checkpoint's vocabulary has no <|startofprev|>: it cannot be prompted with "
                              "previous text, an initial prompt or hotwords")
+        if o.condition_on_previous_text and self.strategy != "sequential":
+            raise ValueError("condition_on_previous_text needs strategy 'sequential' (windows decoded side by side "
+                             "have no previous text)")
         if o.prefix and self.language is None:
             raise ValueError("prefix needs the language (pass language=...): the first window's language is "
                              "otherwise detected where the prefix would go")
