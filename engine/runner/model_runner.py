@@ -58,15 +58,17 @@ def _prefix_logprobs(model, seqs: list[ScheduledSeq], states: list[SeqSamplingSt
     model's own log-probabilities of those ids after it: [rows, max ids]. That position is the
     step's last input token (its logits row), or an inner one of a prefix fed at once (hidden set)."""
     # logits: [S, vocab]; hidden: [N, d_model] of the step's input tokens, None when a graph ran
-    asked, flat, offset = [], [], 0
-    for i, (s, st) in enumerate(zip(seqs, states)):
-        p = st.params if st is not None else None         # None: a tensor-parallel worker (never samples)
-        if p is not None and p.prefix_logprob_token_ids and s.start_pos <= p.prefix_logprob_position < s.seq_len:
-            asked.append((i, list(p.prefix_logprob_token_ids)))
-            flat.append(offset + p.prefix_logprob_position - s.start_pos)
-        offset += s.num_new_tokens
+    # A sequence reads its prefix before its first output (a recompute after preemption reads it
+    # again: the request has the values already); every step checks only that count.
+    asked = [(i, list(st.params.prefix_logprob_token_ids)) for i, (s, st) in enumerate(zip(seqs, states))
+             if s.num_output_tokens == 0 and st is not None and st.params.prefix_logprob_token_ids
+             and s.start_pos <= st.params.prefix_logprob_position < s.seq_len]   # st None: a TP worker
     if not asked:
         return [], None
+    starts = [0]
+    for s in seqs:
+        starts.append(starts[-1] + s.num_new_tokens)
+    flat = [starts[i] + states[i].params.prefix_logprob_position - seqs[i].start_pos for i, _ in asked]
     dev = logits.device
     if hidden is not None:      # one extra logits row per asking sequence
         rows = model.compute_logits(hidden.index_select(0, to_device(flat, torch.long, dev)))       # [R, vocab]
