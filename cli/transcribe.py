@@ -37,6 +37,11 @@ Examples:
   # translate into English, segment times on stdout
   enc2dec transcribe interview.flac --task translate --timestamps
 
+  # the original Whisper's decoding: fallback, previous text, a spelling hint
+  enc2dec transcribe book.flac --strategy sequential
+    --temperature 0,0.2,0.4,0.6,0.8,1.0 --condition-on-previous-text
+    --initial-prompt 'Mr. Dashwood, Norland Park.'
+
   # a local checkpoint and an engine config (TensorRT-LLM YAML shape)
   enc2dec transcribe clip.wav --model ./whisper-base
     --config enc-dec-config.yaml
@@ -70,6 +75,29 @@ def transcribe(
     beam_size: Annotated[int, option("Beam width: 1 decodes greedily, K > 1 keeps K beams per window (the "
                                    "best hypothesis wins; slower).", D)] = 1,
     batch_size: Annotated[int, option("30 s windows decoding at once, across all files.", D)] = 32,
+    temperature: Annotated[str, option("A temperature, or a comma list to fall back through: a window whose "
+                                     "text fails --compression-ratio-threshold or --logprob-threshold decodes "
+                                     "again at the next one (--best-of samples), e.g. 0,0.2,0.4,0.6,0.8,1.0 "
+                                     "(the original Whisper's).", D)] = "0",
+    compression_ratio_threshold: Annotated[str, option("Fall back when the gzip compression ratio of a "
+                                                     "window's text is above this (repeated text); 'none' is off.",
+                                                     D)] = "2.4",
+    logprob_threshold: Annotated[str, option("Fall back when a window's mean token log-probability is below "
+                                           "this; 'none' is off.", D)] = "-1.0",
+    no_speech_threshold: Annotated[str, option("Skip a window whose <|nospeech|> probability is above this while "
+                                             "its mean log-probability is below --logprob-threshold; 'none' is "
+                                             "off.", D)] = "0.6",
+    best_of: Annotated[int, option("Samples per window at a temperature above 0 (the likeliest is kept).", D)] = 5,
+    condition_on_previous_text: Annotated[bool, option("Prompt each window with the text before it "
+                                                     "(--strategy sequential; reset after a window decoded above "
+                                                     "temperature 0.5).", D)] = False,
+    initial_prompt: Annotated[OptStr, option("Text the first window is prompted with (every window with "
+                                           "--strategy chunked): spellings, names, style, e.g. 'Mr. Dashwood, "
+                                           "Norland Park.'", D)] = None,
+    hotwords: Annotated[OptStr, option("Words to prompt every window with (faster-whisper's hotwords), e.g. "
+                                     "'Dashwood Norland'.", D)] = None,
+    prefix: Annotated[OptStr, option("Text the transcript of each file starts with (forced after the task "
+                                   "tokens of its first window), e.g. 'And Mr. John'.", D)] = None,
     output_format: Annotated[str, option("txt, srt, vtt, json, tsv, a comma list of them, or all (all and lists "
                                        "need --output-dir).", O, "--output-format", "-f")] = "txt",
     output_dir: Annotated[OptStr, option("Write one file per input and format here (default: the text to "
@@ -115,11 +143,43 @@ def _check_options(o: dict) -> tuple[list[str], list[str]]:
         raise _UsageError(f"--task {o['task']!r} is not valid; valid: {', '.join(TASKS)}")
     if o["batch_size"] < 1:
         raise _UsageError(f"--batch-size must be >= 1, got {o['batch_size']}")
+    o["decode"] = _decode_options(o)
     formats = _formats(o["output_format"], o["output_dir"])
     files, problems = expand_inputs(o["inputs"])
     if problems:
         raise _UsageError("; ".join(problems))
     return files, formats
+
+
+def _number(name: str, text: str, none_ok: bool = True) -> float | None:
+    if none_ok and text.strip().lower() in ("none", "off"):
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise _UsageError(f"--{name} must be a number{' or none' if none_ok else ''}, got {text!r}") from None
+
+
+def _decode_options(o: dict) -> dict:
+    """The original Whisper's decoding options as transcribe() keywords, validated here so a bad
+    value is a usage error before the model loads."""
+    from enc2dec.engine.whisper.decoding import DecodeOptions
+
+    temps = tuple(_number("temperature", t, none_ok=False) for t in o["temperature"].split(","))
+    kw = dict(temperature=temps,
+              compression_ratio_threshold=_number("compression-ratio-threshold", o["compression_ratio_threshold"]),
+              logprob_threshold=_number("logprob-threshold", o["logprob_threshold"]),
+              no_speech_threshold=_number("no-speech-threshold", o["no_speech_threshold"]), best_of=o["best_of"],
+              condition_on_previous_text=o["condition_on_previous_text"], initial_prompt=o["initial_prompt"],
+              hotwords=o["hotwords"], prefix=o["prefix"])
+    try:
+        DecodeOptions(temperatures=kw["temperature"], **{k: v for k, v in kw.items() if k != "temperature"})
+    except ValueError as e:
+        raise _UsageError("--" + str(e).replace("_", "-")) from None
+    if o["condition_on_previous_text"] and o["strategy"] != "sequential":
+        raise _UsageError("--condition-on-previous-text needs --strategy sequential (windows decoded side by side "
+                          "have no previous text)")
+    return kw
 
 
 def _llm_args(o: dict):
@@ -166,7 +226,7 @@ def _run(o: dict) -> int:
                 results = run_transcribe(llm, files, language=o["language"], task=o["task"],
                                          strategy=o["strategy"], timestamps=o["timestamps"] or timed,
                                          batch_size=o["batch_size"], progress=progress,
-                                         beam_size=o["beam_size"])
+                                         beam_size=o["beam_size"], **o["decode"])
                 wall_s = time.perf_counter() - t1
             except ValueError as e:         # options the checkpoint cannot honour, a non-Whisper model
                 raise _UsageError(str(e)) from None

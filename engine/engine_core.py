@@ -79,6 +79,9 @@ def _check_fits_model(params: SamplingParams, vocab_size: int) -> None:
         raise ValueError(f"top_k must be an integer <= the vocabulary size {vocab_size}, got {params.top_k!r}")
     if params.logprobs is not None and params.logprobs > vocab_size:
         raise ValueError(f"logprobs must be in [0, {vocab_size}], got {params.logprobs}")
+    bad = [t for t in params.prefix_logprob_token_ids or () if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prefix_logprob_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
 
 
 def _check_beam_search(params: SamplingParams, max_beam_width: int) -> None:
@@ -178,6 +181,9 @@ class EngineCore:
         if params.use_beam_search:
             _check_beam_search(params, self.args.max_beam_width)
         proc: ProcessedInput = self.processor.process(prompt, params.max_tokens)
+        if params.prefix_logprob_token_ids and params.prefix_logprob_position >= len(proc.decoder_prefix):
+            raise ValueError(f"prefix_logprob_position={params.prefix_logprob_position} is not inside the decoder "
+                             f"prefix ({len(proc.decoder_prefix)} tokens)")
         eos = (params.end_id,) if params.end_id is not None else self.processor.eos_token_ids
         spec = SeqSamplingState(params, tuple(eos), tuple(params.stop_token_ids or ()),
                                 self.processor.suppress_token_ids, self.processor.begin_suppress_token_ids,
@@ -317,7 +323,7 @@ class EngineCore:
             outs.append(CompletionOutput(
                 seq.index, detok.text, ids, None if status in LIVE_STATUSES else status.value, seq.stop_reason,
                 seq.cumulative_logprob if want_logprobs else None,
-                list(seq.logprobs) if seq.logprobs is not None else None))
+                list(seq.logprobs) if seq.logprobs is not None else None, tracked.request.prefix_logprobs))
         return RequestOutput(tracked.request.request_id, tracked.prompt, tracked.prompt_token_ids, outs,
                              finished, tracked.metrics, tracked.error)
 
@@ -332,7 +338,8 @@ class EngineCore:
             detok.finish(h.token_ids)
             outs.append(CompletionOutput(index=i, text=detok.text, token_ids=list(h.token_ids),
                                          finish_reason=h.status.finish_reason, stop_reason=h.stop_reason,
-                                         cumulative_logprob=h.cumulative_logprob, logprobs=h.logprobs))
+                                         cumulative_logprob=h.cumulative_logprob, logprobs=h.logprobs,
+                                         prefix_logprobs=req.prefix_logprobs))
         return RequestOutput(req.request_id, tracked.prompt, tracked.prompt_token_ids, outs, True,
                              tracked.metrics, tracked.error)
 

@@ -13,6 +13,7 @@ class CompletionOutput:
     stop_reason: int | str | None = None    # the stop token id or stop string that matched
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, float]] | None = None
+    prefix_logprobs: dict[int, float] | None = None     # SamplingParams.prefix_logprob_token_ids
 
     @property
     def length(self) -> int:

@@ -35,6 +35,13 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None          # top-k logprobs per token (0: only the sampled token's)
+    # Log-probabilities of these token ids in the model's own distribution (before suppress
+    # lists, rules, penalties and temperature) after decoder prefix token number
+    # ``prefix_logprob_position``, returned as CompletionOutput.prefix_logprobs: computed in the
+    # step that reads the prefix, one extra logits row. Whisper's no-speech probability is that
+    # of <|nospeech|> right after <|startoftranscript|>.
+    prefix_logprob_token_ids: list[int] | None = None
+    prefix_logprob_position: int = 0
     # transformers' rule over the decoder's tokens so far (its prefix included, as transformers
     # sees decoder_input_ids): a seen token's logit is divided by it when positive and
     # multiplied by it when negative. 1.0 is off.
@@ -79,6 +86,13 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
+        if self.prefix_logprob_token_ids is not None and (
+                not self.prefix_logprob_token_ids or any(isinstance(t, bool) or not isinstance(t, int)
+                                                         for t in self.prefix_logprob_token_ids)):
+            raise ValueError("prefix_logprob_token_ids must be a non-empty list of integer token ids")
+        if isinstance(self.prefix_logprob_position, bool) or not isinstance(self.prefix_logprob_position, int) \
+                or self.prefix_logprob_position < 0:
+            raise ValueError(f"prefix_logprob_position must be an integer >= 0, got {self.prefix_logprob_position!r}")
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0 (1.0 is off), got {self.repetition_penalty}")
         if self.logit_bias is not None:

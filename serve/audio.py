@@ -2,17 +2,20 @@
 
 Multipart fields: file, model, language (transcriptions only), prompt, response_format
 (json | text | srt | vtt | verbose_json), temperature, stream (json and text), and the
-extensions max_tokens / ignore_eos (vLLM's; ``enc2dec bench --url`` sends them).
+extensions max_tokens / ignore_eos (vLLM's; ``enc2dec bench --url`` sends them). ``prompt``
+and ``temperature`` mean OpenAI's: previous text the decoder is prompted with
+(``<|startofprev|>``), and the temperature decoding starts at, 0.2 hotter per fallback.
 
 Two paths, both through the engine's async API:
 - direct: a clip of at most 30 s, no timestamps, language known (given, or an
   English-only model; English when max_tokens / ignore_eos are sent without one, as the
-  engine's default prefix is): one engine request that honours temperature, max_tokens,
-  ignore_eos and a verbatim decoder prefix, and streams token by token;
-- long-form: anything else (longer audio, segments with timestamps, language
-  detection) goes through ``enc2dec.engine.whisper.transcribe`` as ``enc2dec transcribe`` does:
-  greedy, 30 s windows, timestamp rules. Its ``sequential`` strategy is the default here:
-  the most accurate, and a server gets its batching from concurrent requests anyway.
+  engine's default prefix is), streamed, with an engine extension or a verbatim decoder
+  prefix (a prompt that starts with <|startoftranscript|>): one engine request at the one
+  temperature (streamed text cannot be taken back), token by token;
+- long-form: anything else goes through ``enc2dec.engine.whisper.transcribe`` as
+  ``enc2dec transcribe`` does: 30 s windows, timestamp rules, temperature fallback, the
+  no-speech rule. Its ``sequential`` strategy is the default here: the most accurate, and a
+  server gets its batching from concurrent requests anyway.
 """
 from __future__ import annotations
 
@@ -85,29 +88,50 @@ async def _handle(front, config, form, request, language: str | None, task: str)
                                  config.max_audio_s)
     duration_s = len(wave) / fe.sampling_rate
     timed = form.response_format in TIMED_FORMATS and tokens.has_timestamps
-    if form.prompt and not form.prompt.startswith(SOT):
-        raise bad_request("prompt (previous-text conditioning) is not supported by this server yet; omit it, or "
-                          f"pass a whole decoder prefix that starts with {SOT}", "prompt")
+    raw_prefix = bool(form.prompt) and form.prompt.startswith(SOT)     # a verbatim decoder prefix
     if lang is None and (form.max_tokens or form.ignore_eos):
         lang = "en"       # the engine extensions mean one exact engine request: the engine's default language
-    direct = duration_s <= WINDOW_S and not timed and (lang is not None or bool(form.prompt))
+    # One exact engine request (token-by-token streaming, the engine extensions, a raw prefix):
+    # a single temperature, as a streamed text cannot be taken back for a fallback.
+    exact = form.stream or form.max_tokens or form.ignore_eos or raw_prefix
+    direct = duration_s <= WINDOW_S and not timed and exact and (lang is not None or raw_prefix)
     if direct:
-        if form.prompt:
+        if raw_prefix:
             prefix = form.prompt
         elif llm.tokenizer is not None:
-            prefix = "".join(llm.tokenizer.convert_ids_to_tokens(tokens.prefix(lang, task, False)))
-        elif lang == "en" and task == "transcribe":
+            prefix = _previous_text(llm.tokenizer, form.prompt) + "".join(
+                llm.tokenizer.convert_ids_to_tokens(tokens.prefix(lang, task, False)))
+        elif lang == "en" and task == "transcribe" and not form.prompt:
             prefix = ""          # no tokenizer (dummy weights): the engine's default prefix is this one
         else:
-            raise bad_request("this model has no tokenizer (dummy weights): only English transcription", "model")
+            raise bad_request("this model has no tokenizer (dummy weights): only English transcription "
+                              "without a prompt", "model")
         room = max_positions - (len(llm.tokenizer.encode(prefix, add_special_tokens=False)) if prefix
                                 else len(tokens.prefix(lang, task, False)))
         return await _direct(front, request, form, wave, fe.sampling_rate, prefix, room, lang, task, duration_s)
-    if form.prompt or form.temperature > 0 or form.max_tokens or form.ignore_eos:
-        raise bad_request("prompt, temperature > 0, max_tokens and ignore_eos apply to clips of at most 30 s "
-                          "transcribed without timestamps (response_format json or text)"
-                          + (" with a language given" if lang is None else ""), "temperature")
+    if raw_prefix or form.max_tokens or form.ignore_eos:
+        raise bad_request(f"max_tokens, ignore_eos and a prompt starting with {SOT} (a verbatim decoder prefix) "
+                          "apply to clips of at most 30 s transcribed without timestamps (response_format json "
+                          "or text)" + (" with a language given" if lang is None else ""),
+                          "prompt" if raw_prefix else "max_tokens")
     return await _long_form(front, config, request, form, wave, fe.sampling_rate, lang, task, timed, duration_s)
+
+
+def _previous_text(tokenizer, prompt: str | None) -> str:
+    """OpenAI's prompt as the original Whisper's: <|startofprev|> and the prompt's last tokens."""
+    from enc2dec.engine.whisper.decoding import MAX_PROMPT_TOKENS
+
+    if not prompt or not prompt.strip():
+        return ""
+    ids = tokenizer.encode(" " + prompt.strip(), add_special_tokens=False)[-MAX_PROMPT_TOKENS:]
+    return "<|startofprev|>" + tokenizer.decode(ids)
+
+
+def fallback_temperatures(start: float) -> tuple[float, ...]:
+    """OpenAI's temperature: where decoding starts; a window that fails the thresholds decodes
+    again 0.2 hotter, up to 1.0 (0 gives the original Whisper's 0, 0.2, ..., 1.0)."""
+    steps = max(0, math.floor((1.0 - start) / 0.2 + 1e-9))
+    return tuple(round(start + 0.2 * k, 6) for k in range(steps + 1)) or (start,)
 
 
 # ---- direct: one engine request -------------------------------------------------------------
@@ -169,7 +193,8 @@ async def _long_form(front, config, request, form, wave, rate, lang, task, timed
         try:
             (t,) = await unless_disconnected(request, transcribe_async(
                 front.llm, [(wave, rate)], language=lang, task=task, timestamps=timed, batch_size=num_windows,
-                strategy=config.long_form_strategy))
+                strategy=config.long_form_strategy, temperature=fallback_temperatures(form.temperature),
+                initial_prompt=form.prompt or None))
         except ClientGone:
             return Response(status_code=499)
         except ValueError as e:
@@ -203,13 +228,14 @@ def _respond(form, task, lang, text, segments, num_tokens, duration_s, tokenizer
         return {"text": text, "usage": _usage(duration_s, num_tokens)}
     if fmt == "text":
         return PlainTextResponse(text)
-    segments = segments or ([Segment(0.0, round(duration_s, 3), text)] if text else [])
+    segments = segments or ([Segment(0.0, round(duration_s, 3), text, temperature=form.temperature)]
+                            if text else [])
     if fmt == "srt":      # the same writers as enc2dec transcribe
         return PlainTextResponse(to_srt(SimpleNamespace(segments=segments)))
     if fmt == "vtt":
         return PlainTextResponse(to_vtt(SimpleNamespace(segments=segments)), media_type="text/vtt")
     return {"task": task, "language": language_name(lang or "en").lower(), "duration": round(duration_s, 3),
-            "text": text, "segments": verbose_segments(segments, tokenizer, form.temperature),
+            "text": text, "segments": verbose_segments(segments, tokenizer),
             "usage": {"type": "duration", "seconds": math.ceil(duration_s)}}
 
 

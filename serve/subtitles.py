@@ -7,16 +7,17 @@ from __future__ import annotations
 import zlib
 
 
-def verbose_segments(segments, tokenizer, temperature: float) -> list[dict]:
-    """OpenAI's segment objects. avg_logprob and no_speech_prob are not computed (0.0)."""
+def verbose_segments(segments, tokenizer) -> list[dict]:
+    """OpenAI's segment objects, with the decode measures of each segment's window."""
     out = []
     for i, s in enumerate(segments):
         text = " " + s.text.strip()
         out.append({"id": i, "seek": int(s.start_s / 30) * 3000, "start": round(s.start_s, 2),
                     "end": round(s.end_s, 2), "text": text,
                     "tokens": tokenizer.encode(text, add_special_tokens=False) if tokenizer is not None else [],
-                    "temperature": temperature, "avg_logprob": 0.0,
-                    "compression_ratio": _compression_ratio(text), "no_speech_prob": 0.0})
+                    "temperature": s.temperature, "avg_logprob": s.avg_logprob,
+                    "compression_ratio": s.compression_ratio or _compression_ratio(text),
+                    "no_speech_prob": s.no_speech_prob})
     return out
 
 

@@ -89,8 +89,8 @@ def test_long_audio_is_decoded_in_windows(tiny):
     ({"model": NAME, "colour": "red"}, "tone", 400, "Unrecognized request argument supplied: colour"),
     ({"model": NAME, "language": "de"}, "tone", 400, "not one this checkpoint knows"),
     ({"model": NAME, "language": "klingon"}, "tone", 400, "klingon"),
-    ({"model": NAME, "temperature": "0.5"}, "tone", 400, "with a language given"),
-    ({"model": NAME, "prompt": "Previously: hello"}, "tone", 400, "previous-text conditioning"),
+    ({"model": NAME, "temperature": "1.5"}, "tone", 400, "temperature"),
+    ({"model": NAME, "prompt": "<|startoftranscript|>"}, "long", 400, "at most 40 s"),
     ({"model": NAME, "stream": "true", "response_format": "srt"}, "tone", 400, "stream=true"),
     ({"model": NAME}, "long", 400, "at most 40 s"),
     ({"model": NAME}, "huge", 413, "too large"),
@@ -210,3 +210,23 @@ def test_real_whisper_long_audio_and_concurrent_clips(real):
     results = asyncio.run(all_clips())
     for (path, ref), res in zip(clips[:3], results):
         assert _wer(ref, res.text) < 0.3, (path.name, res.text, ref)
+
+
+@pytest.mark.real
+def test_real_whisper_prompt_is_previous_text_and_segments_carry_the_decode_measures(real):
+    srv, clips = real
+    client = _client(srv)
+    path, _ = clips[0]          # "and mister john dashwood had then leisure ..."
+    audio = path.read_bytes()
+    plain = client.audio.transcriptions.create(model=NAME, file=(path.name, audio))
+    # As faster-whisper's initial_prompt does with tiny.en: the prompt's spelling of the name wins.
+    prompted = client.audio.transcriptions.create(model=NAME, file=(path.name, audio), prompt="John Dashwode.")
+    assert "Dashwood" in plain.text and "Dashwode" in prompted.text and "John Dashwode." not in prompted.text[:14]
+    verbose = client.audio.transcriptions.create(model=NAME, file=(path.name, audio), response_format="verbose_json",
+                                                 temperature=0.0)
+    segments = verbose.segments
+    assert segments and all(0 < s.no_speech_prob < 0.1 and -1.0 < s.avg_logprob < 0 and s.temperature == 0.0
+                            and s.compression_ratio > 1 for s in segments)
+    quiet = wav_bytes(np.zeros(3 * 16000, np.float32))
+    silence = client.audio.transcriptions.create(model=NAME, file=("s.wav", quiet), response_format="verbose_json")
+    assert silence.segments and all(s.no_speech_prob > 0.6 for s in silence.segments)

@@ -34,8 +34,9 @@ def _grammar_history(rule: TimestampRules, length: int, rnd: random.Random) -> l
 def test_timestamp_rules_batched_equals_row_by_row(max_initial):
     rnd = random.Random(0)
     rules, histories = [], []
-    for begin in (0, 2):
-        rule = TimestampRules(begin, EOT, NO_TS, TS, max_initial)
+    # open_at: a prompt that opened a segment (a forced prefix) before the output.
+    for begin, open_at in ((0, None), (2, None), (0, TS + 3), (2, TS + 3)):
+        rule = TimestampRules(begin, EOT, NO_TS, TS, max_initial, open_segment_at=open_at)
         for length in range(0, 14):          # before the text, empty text, lone and paired stamps
             rules.append(rule)
             histories.append(_grammar_history(rule, length, rnd))
@@ -99,3 +100,15 @@ def test_sampler_keeps_each_rows_history_on_the_device_across_steps():
             assert out[i] == int(row.argmax()), (step, sid)
             host[sid].append(out[i])
     assert any(t >= TS for t in host[10]) and any(t < TS for t in host[10])
+
+
+def test_an_open_segment_lets_text_continue_and_time_move_on():
+    row = torch.zeros(VOCAB)
+    row[:TS] = 5.0                                         # text likelier than all stamps together
+    TimestampRules(0, EOT, NO_TS, TS, 5, open_segment_at=TS + 3)([], row)
+    assert torch.isfinite(row[:EOT]).all()                 # text may follow the prompt's text
+    assert torch.isinf(row[TS:TS + 4]).all() and torch.isfinite(row[TS + 4:]).all()   # a later stamp may close it
+    fresh = torch.zeros(VOCAB)
+    fresh[:TS] = 5.0
+    TimestampRules(0, EOT, NO_TS, TS, 5)([], fresh)
+    assert torch.isinf(fresh[:TS]).all()                   # without it the output opens with a stamp

@@ -100,3 +100,5 @@ class ModelRunnerOutput:
     sampled: dict[int, SampledToken] = field(default_factory=dict)   # seq_id -> token
     # Beam-search requests: request_id -> candidates over all its beams, best first.
     beams: dict[str, list[BeamCandidate]] = field(default_factory=dict)
+    # seq_id -> {token id: log-probability} at its SamplingParams.prefix_logprob_position
+    prefix_logprobs: dict[int, dict[int, float]] = field(default_factory=dict)

@@ -133,6 +133,9 @@ class Request:
     # Beam search (a beam_search.BeamState): ``seqs`` are then the running beams, best first,
     # starting from one; finished hypotheses live in the state, not in ``seqs``.
     beam: Any = None
+    # SamplingParams.prefix_logprob_token_ids: {token id: log-probability}, from the step that read
+    # the prefix (a recompute after preemption reads it again, to the same values).
+    prefix_logprobs: dict[int, float] | None = None
 
     @property
     def beam_width(self) -> int:

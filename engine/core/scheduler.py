@@ -335,6 +335,9 @@ class Scheduler(BeamScheduling):
         finished: list[Request] = []
         beam_reqs: dict[str, Request] = {}
         live, sampled_of = self._live_seqs, runner_out.sampled
+        for seq_id, lps in runner_out.prefix_logprobs.items():
+            if seq_id in live:
+                live[seq_id][0].prefix_logprobs = lps
         for scheduled in sched_out.seqs:
             entry = live.get(scheduled.seq_id)
             if entry is None:

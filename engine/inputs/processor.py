@@ -3,7 +3,7 @@
 Text models: the prompt (string or encoder token ids) is the encoder input; the decoder
 starts from ``decoder_start_token_id`` (else ``bos_token_id``), plus ``forced_bos_token_id``
 when the checkpoint defines one. Whisper: the audio is the encoder input and the text
-prompt, when given, replaces the decoder prefix verbatim.
+prompt (or ``prompt_token_ids``), when given, replaces the decoder prefix verbatim.
 """
 from __future__ import annotations
 
@@ -108,15 +108,35 @@ class InputProcessor:
             return [self.decoder_start_token_id, self.forced_bos_token_id], 1
         return [self.decoder_start_token_id], 1
 
-    def _whisper_prefix(self, prompt: str | None) -> list[int]:
-        if prompt:
+    def _whisper_prefix(self, prompt: str | None, ids: list[int] | None = None) -> list[int]:
+        """The decoder prefix: ``ids`` (``prompt_token_ids``) or the encoded ``prompt``, which must
+        begin with <|startoftranscript|>, or with <|startofprev|> + previous text followed by it
+        (the original Whisper's conditioning: the whole prefix is hidden, never output)."""
+        if ids is None and not prompt:
+            return list(self.whisper_default_prefix)
+        if ids is None:
             tok = self._require_tokenizer("a Whisper decoder prompt")
             ids = tok.encode(prompt, add_special_tokens=False)
-            if not ids or ids[0] != tok.convert_tokens_to_ids("<|startoftranscript|>"):
-                raise ValueError("a non-empty Whisper prompt must begin with <|startoftranscript|> "
-                                 f"(it replaces the decoder prefix verbatim); got {prompt[:60]!r}")
-            return ids
-        return list(self.whisper_default_prefix)
+        else:
+            ids = _token_ids(ids)
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"decoder prompt token ids {bad[:5]} are outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
+        shown = prompt[:60] if prompt else ids[:8]
+        sot, prev = self.decoder_start_token_id, self._start_of_prev()
+        if not ids or (ids[0] != sot and not (prev is not None and ids[0] == prev and sot in ids)):
+            raise ValueError("a non-empty Whisper prompt must begin with <|startoftranscript|>, or with "
+                             "<|startofprev|> and previous text followed by <|startoftranscript|> (it replaces "
+                             f"the decoder prefix verbatim); got {shown!r}")
+        return ids
+
+    def _start_of_prev(self) -> int | None:
+        value = getattr(self.gen, "prev_sot_token_id", None)
+        if value is None and self.tokenizer is not None:
+            value = self.tokenizer.convert_tokens_to_ids("<|startofprev|>")
+            value = None if value == getattr(self.tokenizer, "unk_token_id", None) else value
+        return None if value is None else int(value)
 
     def _default_whisper_prefix(self) -> list[int]:
         """<|startoftranscript|><|en|><|transcribe|><|notimestamps|> on multilingual checkpoints, the
@@ -235,7 +255,7 @@ class InputProcessor:
         else:
             encoder_input = fe(wave, sampling_rate=rate, return_tensors="np").input_features[0]  # [n_mels, 3000]
             encoder_input = encoder_input.astype(np.float32)
-        prefix = self._whisper_prefix(prompt.get("prompt"))
+        prefix = self._whisper_prefix(prompt.get("prompt"), prompt.get("prompt_token_ids"))
         max_out = self._cap_output(max_tokens, len(prefix))
         enc_len = fe.nb_max_frames // 2
         return ProcessedInput(prompt.get("prompt") or "", [], encoder_input, enc_len, prefix,

@@ -48,7 +48,35 @@ class PendingStep:
         return ModelRunnerOutput({
             seq_id: SampledToken(out.token_ids[i], out.logprobs[i] if out.logprobs is not None else 0.0,
                                  out.top_logprobs[i] if out.top_logprobs is not None else None)
-            for i, seq_id in enumerate(self.seq_ids)}, beams)
+            for i, seq_id in enumerate(self.seq_ids)}, beams,
+            {self.seq_ids[row]: lps for row, lps in (out.prefix_logprobs or {}).items()})
+
+
+def _prefix_logprobs(model, seqs: list[ScheduledSeq], states: list[SeqSamplingState], logits: torch.Tensor,
+                     hidden: torch.Tensor | None):
+    """(row, ids) of the rows whose step feeds their ``prefix_logprob_position`` token, and the
+    model's own log-probabilities of those ids after it: [rows, max ids]. That position is the
+    step's last input token (its logits row), or an inner one of a prefix fed at once (hidden set)."""
+    # logits: [S, vocab]; hidden: [N, d_model] of the step's input tokens, None when a graph ran
+    # A sequence reads its prefix before its first output (a recompute after preemption reads it
+    # again: the request has the values already); every step checks only that count.
+    asked = [(i, list(st.params.prefix_logprob_token_ids)) for i, (s, st) in enumerate(zip(seqs, states))
+             if s.num_output_tokens == 0 and st is not None and st.params.prefix_logprob_token_ids
+             and s.start_pos <= st.params.prefix_logprob_position < s.seq_len]   # st None: a TP worker
+    if not asked:
+        return [], None
+    starts = [0]
+    for s in seqs:
+        starts.append(starts[-1] + s.num_new_tokens)
+    flat = [starts[i] + states[i].params.prefix_logprob_position - seqs[i].start_pos for i, _ in asked]
+    dev = logits.device
+    if hidden is not None:      # one extra logits row per asking sequence
+        rows = model.compute_logits(hidden.index_select(0, to_device(flat, torch.long, dev)))       # [R, vocab]
+    else:                       # a replayed graph feeds one token per sequence: the position is the last
+        rows = logits.index_select(0, to_device([i for i, _ in asked], torch.long, dev))
+    width = max(len(ids) for _, ids in asked)
+    ids = to_device([ids + ids[:1] * (width - len(ids)) for _, ids in asked], torch.long, dev)       # [R, width]
+    return asked, rows.float().log_softmax(dim=-1).gather(1, ids)
 
 
 def _beam_groups(seqs: list[ScheduledSeq], states: list[SeqSamplingState]):
@@ -231,6 +259,7 @@ class ModelRunner:
         if not so.seqs:
             return PendingStep([], None)
         fill = self._placeholder_sources(so.seqs)
+        hidden = None
         if self._can_replay(so):
             logits = self.graphs.run(so.seqs, fill, self._prev_tokens)                               # [S, vocab]
         else:
@@ -243,6 +272,7 @@ class ModelRunner:
         sample = self.sampler.sample(logits, states, [s.num_output_tokens for s in so.seqs], groups,
                                      [s.cumulative_logprob for s in beam_rows],
                                      [s.output_token_ids for s in so.seqs], [s.seq_id for s in so.seqs])
+        sample.prefix_rows, sample.prefix_vals = _prefix_logprobs(self.model, so.seqs, states, logits, hidden)
         self._prev_tokens = sample.token_ids                                       # [S] stays on device
         self._prev_rows = {s.seq_id: i for i, s in enumerate(so.seqs)}
         event = None

@@ -59,6 +59,7 @@ class SamplerOutput:
     top_logprobs: list[dict[int, float]] | None = None
     # Per beam group: (parent row within the group, token id, cumulative logprob, token logprob), best first.
     beams: list[list[tuple[int, int, float, float]]] | None = None
+    prefix_logprobs: dict[int, dict[int, float]] | None = None    # row -> SamplingParams.prefix_logprob_token_ids
 
 
 @dataclass(frozen=True)
@@ -112,17 +113,23 @@ class DeviceSample:
     top_ids: torch.Tensor | None = None         # [S, k]
     top_vals: torch.Tensor | None = None
     beams: BeamCandidates | None = None
+    prefix_rows: list[tuple[int, list[int]]] = field(default_factory=list)   # (row, token ids asked)
+    prefix_vals: torch.Tensor | None = None     # [len(prefix_rows), max ids] their log-probabilities
 
     def to_host(self, non_blocking: bool = False) -> "DeviceSample":
         """Start the device-to-host copies (pinned, asynchronous when ``non_blocking``)."""
         move = (lambda t: None if t is None else t.to("cpu", non_blocking=non_blocking))
         return DeviceSample(move(self.token_ids), self.want, move(self.chosen_logprobs),
                             move(self.top_ids), move(self.top_vals),
-                            self.beams and self.beams.to("cpu", non_blocking=non_blocking))
+                            self.beams and self.beams.to("cpu", non_blocking=non_blocking),
+                            self.prefix_rows, move(self.prefix_vals))
 
     def output(self) -> SamplerOutput:
         out = self._tokens()
         out.beams = self.beams.output() if self.beams is not None else None
+        if self.prefix_rows:
+            vals = self.prefix_vals.tolist()
+            out.prefix_logprobs = {row: dict(zip(ids, vals[i])) for i, (row, ids) in enumerate(self.prefix_rows)}
         return out
 
     def _tokens(self) -> SamplerOutput:

@@ -134,6 +134,9 @@ class TimestampRules:
       never three in a row, and never decrease;
     - a lone timestamp is followed by another or by EOT, not by text;
     - when the timestamps together are likelier than the best text token, one is taken.
+
+    ``open_segment_at``: a timestamp token that the hidden decoder prompt already opened a
+    segment with, followed by text (a forced prefix): the output continues that segment.
     """
 
     needs_token_ids = True       # the per-row form; the batched one reads the device-side history
@@ -142,17 +145,20 @@ class TimestampRules:
     order = 2
 
     def __init__(self, begin_index: int, eot: int, no_timestamps: int, timestamp_begin: int,
-                 max_initial_timestamp_index: int | None = 50):
+                 max_initial_timestamp_index: int | None = 50, open_segment_at: int | None = None):
         self.begin_index = begin_index
         self.eot = eot
         self.no_timestamps = no_timestamps
         self.ts = timestamp_begin
         self.max_initial = max_initial_timestamp_index
+        self.open_segment_at = open_segment_at
 
     def __call__(self, output_ids: list[int], row: torch.Tensor) -> None:
         if len(output_ids) < self.begin_index:
             return
         seq = output_ids[self.begin_index:]
+        if self.open_segment_at is not None:
+            seq = [self.open_segment_at, 0, *seq]      # the opening stamp and (any) text of the prompt
         ts = self.ts
         row[self.no_timestamps] = _NEG_INF
         last_is_ts = len(seq) >= 1 and seq[-1] >= ts
@@ -185,21 +191,25 @@ class TimestampRules:
         dev, vocab = logits.device, logits.shape[-1]
         active = [n >= r.begin_index for r, n in zip(rules, num_output_tokens)]
         # Per row: output count, begin index, EOT, <|notimestamps|>, first timestamp, last
-        # allowed first timestamp, active. One staged copy.
+        # allowed first timestamp, active, the prompt's open segment stamp (-1: none). One staged copy.
         p = to_device([[n, r.begin_index, r.eot, r.no_timestamps, r.ts,
-                        r.ts + r.max_initial if r.max_initial is not None else _BIG, a]
-                       for r, n, a in zip(rules, num_output_tokens, active)], torch.long, dev)    # [R, 7]
-        n, begin, eot, no_ts, ts, last_initial, on = (c[:, None] for c in p.unbind(dim=1))         # [R, 1] each
-        on = on.bool()
+                        r.ts + r.max_initial if r.max_initial is not None else _BIG, a,
+                        -1 if r.open_segment_at is None else r.open_segment_at]
+                       for r, n, a in zip(rules, num_output_tokens, active)], torch.long, dev)    # [R, 8]
+        n, begin, eot, no_ts, ts, last_initial, on, open_at = (c[:, None] for c in p.unbind(dim=1))  # [R, 1] each
+        on, opened = on.bool(), open_at >= 0
         num_seq = n - begin                                           # text tokens so far (>= 0 when on)
         positions = torch.arange(history.shape[1], device=dev)[None, :]                            # [1, L]
         in_seq = (positions >= begin) & (positions < n)
         last = history.gather(1, (n - 1).clamp(min=0))                                            # [R, 1]
         penultimate = history.gather(1, (n - 2).clamp(min=0))
         last_is_ts = (num_seq >= 1) & (last >= ts)
-        penultimate_is_ts = (num_seq < 2) | (penultimate >= ts)
+        # An open segment puts a stamp and text before the output: one token in, the one before is text.
+        penultimate_is_ts = torch.where(opened, (num_seq >= 2) & (penultimate >= ts),
+                                        (num_seq < 2) | (penultimate >= ts))
         # Timestamps never decrease, so the last one is the largest.
         last_stamp = torch.where(in_seq & (history >= ts), history, -1).amax(dim=1, keepdim=True)  # [R, 1]
+        last_stamp = torch.maximum(last_stamp, open_at)
         cols = _columns(vocab, dev)
         is_ts = cols >= ts
         drop = cols == no_ts
@@ -208,7 +218,7 @@ class TimestampRules:
         lone = last_is_ts & ~penultimate_is_ts
         floor = torch.where(lone, last_stamp, last_stamp + 1)
         drop |= (last_stamp >= 0) & is_ts & (cols < floor)           # never back in time
-        drop |= (num_seq == 0) & (~is_ts | (cols > last_initial))
+        drop |= (num_seq == 0) & ~opened & (~is_ts | (cols > last_initial))
         ruled = logits.masked_fill(drop & on, _NEG_INF)
         timestamp_mass = ruled.masked_fill(~is_ts, _NEG_INF).logsumexp(dim=-1, keepdim=True)      # [R, 1]
         best_text = ruled.masked_fill(is_ts, _NEG_INF).amax(dim=-1, keepdim=True)

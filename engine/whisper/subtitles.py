@@ -50,10 +50,15 @@ def to_tsv(t) -> str:
     return "start\tend\ttext\n" + "".join(r + "\n" for r in rows)
 
 
+def _measures(s) -> dict:
+    """The window measures of a segment (the original Whisper's json has them too)."""
+    return {k: getattr(s, k) for k in ("avg_logprob", "compression_ratio", "no_speech_prob", "temperature")}
+
+
 def to_json(t) -> str:
     data = {
         "source": t.source, "language": t.language, "duration_s": round(t.duration_s, 3), "text": t.text,
-        "segments": [{"start": s.start_s, "end": s.end_s, "text": s.text} for s in t.segments],
+        "segments": [{"start": s.start_s, "end": s.end_s, "text": s.text, **_measures(s)} for s in t.segments],
     }
     return json.dumps(data, ensure_ascii=False, indent=2) + "\n"
 

@@ -123,11 +123,13 @@ MAX_INITIAL_TIMESTAMP_INDEX = 50  # the first segment starts within 1.0 s of the
 
 
 def decoding_rules(tokens: WhisperTokens, *, detect_language: bool, timestamps: bool, task: str = "transcribe",
-                   max_initial_timestamp_index: int | None = None) -> tuple[list, int]:
+                   max_initial_timestamp_index: int | None = None,
+                   open_segment_at: int | None = None) -> tuple[list, int]:
     """The logits processors of one 30 s window (``SamplingParams.logits_processors``) and how many
     forced tokens precede its text. ``detect_language``: the first output token is chosen among the
     language tokens, then the task (and ``<|notimestamps|>`` without timestamps) are forced; the
-    prefix is then ``<|startoftranscript|>`` alone. ``timestamps``: Whisper's timestamp rules. The
+    prefix is then ``<|startoftranscript|>`` alone. ``timestamps``: Whisper's timestamp rules
+    (``open_segment_at``: the prompt ends inside a segment it opened: a forced prefix). The
     processors hold no per-request state, so one list serves every window with these options."""
     from enc2dec.engine.whisper.rules import DetectLanguage, SuppressAtBegin, TimestampRules
 
@@ -139,7 +141,7 @@ def decoding_rules(tokens: WhisperTokens, *, detect_language: bool, timestamps: 
                        SuppressAtBegin(begin, tokens.begin_suppress)]
     if timestamps:
         processors.append(TimestampRules(begin, tokens.eot, tokens.no_timestamps, tokens.timestamp_begin,
-                                         max_initial_timestamp_index))
+                                         max_initial_timestamp_index, open_segment_at))
     return processors, begin
 
 

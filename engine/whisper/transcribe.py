@@ -16,6 +16,8 @@ decode together in the engine's batches. A file that cannot be read or decoded g
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -24,6 +26,9 @@ from enc2dec.engine.whisper.audio import AudioError, load_audio, probe_duration_
 from enc2dec.engine.whisper.longform import (MIN_WINDOW_S, WINDOW_S, Merged, chunk_windows, closed_pieces,
                                              merge_chunk, merged_pieces, monotonic, parse_window)
 from enc2dec.engine.sampling_params import SamplingParams
+from enc2dec.engine.whisper.decoding import (MAX_PROMPT_TOKENS, DecodeOptions, WindowStats, avg_logprob, best_sample,
+                                             compression_ratio, is_no_speech, kept_tokens, needs_fallback,
+                                             next_previous_ids, prompt_tokens, temperatures)
 from enc2dec.engine.whisper.results import Segment, Transcript, TranscribeProgress
 from enc2dec.engine.whisper.tokens import MAX_INITIAL_TIMESTAMP_INDEX, decoding_rules, engine_whisper_info
 
@@ -38,20 +43,45 @@ class _DecodeError(RuntimeError):
 
 def transcribe(llm, sources: Sequence, *, language: str | None = None, task: str = "transcribe",
                strategy: str = "chunked", timestamps: bool = False, batch_size: int = 32,
-               progress: TranscribeProgress | None = None, beam_size: int = 1) -> list[Transcript]:
+               progress: TranscribeProgress | None = None, beam_size: int = 1,
+               temperature: float | Sequence[float] = 0.0, compression_ratio_threshold: float | None = 2.4,
+               logprob_threshold: float | None = -1.0, no_speech_threshold: float | None = 0.6, best_of: int = 5,
+               condition_on_previous_text: bool = False, initial_prompt: str | None = None,
+               hotwords: str | None = None, prefix: str | None = None) -> list[Transcript]:
     """Transcripts in the order of ``sources`` (file paths, or ``(samples, sample_rate)``
     arrays). ``language=None`` detects it per file on multilingual checkpoints. ``beam_size``
     > 1 decodes each window by beam search (the LLM needs ``max_beam_width >= beam_size``).
+
+    The original Whisper's options (``decoding.py``): ``temperature`` a list such as
+    ``(0.0, 0.2, 0.4, 0.6, 0.8, 1.0)`` decodes a window again at the next temperature when its
+    compression ratio or mean log-probability fails its threshold (``best_of`` samples above 0);
+    windows likelier silence than speech (``no_speech_threshold``) give no text;
+    ``condition_on_previous_text`` (sequential), ``initial_prompt`` and ``hotwords`` prompt the
+    decoder, ``prefix`` forces the start of the first window's text. A threshold of None is off.
     Raises ``ValueError`` for bad options; per-file problems go to ``Transcript.error``."""
-    return asyncio.run(transcribe_async(llm, sources, language=language, task=task, strategy=strategy,
-                                        timestamps=timestamps, batch_size=batch_size, progress=progress,
-                                        beam_size=beam_size))
+    return asyncio.run(transcribe_async(
+        llm, sources, language=language, task=task, strategy=strategy, timestamps=timestamps,
+        batch_size=batch_size, progress=progress, beam_size=beam_size, temperature=temperature,
+        compression_ratio_threshold=compression_ratio_threshold, logprob_threshold=logprob_threshold,
+        no_speech_threshold=no_speech_threshold, best_of=best_of,
+        condition_on_previous_text=condition_on_previous_text, initial_prompt=initial_prompt, hotwords=hotwords,
+        prefix=prefix))
 
 
 async def transcribe_async(llm, sources: Sequence, *, language: str | None = None, task: str = "transcribe",
                            strategy: str = "chunked", timestamps: bool = False, batch_size: int = 32,
-                           progress: TranscribeProgress | None = None, beam_size: int = 1) -> list[Transcript]:
-    run = _Run(llm, language, task, strategy, timestamps, batch_size, progress or TranscribeProgress(), beam_size)
+                           progress: TranscribeProgress | None = None, beam_size: int = 1,
+                           temperature: float | Sequence[float] = 0.0,
+                           compression_ratio_threshold: float | None = 2.4, logprob_threshold: float | None = -1.0,
+                           no_speech_threshold: float | None = 0.6, best_of: int = 5,
+                           condition_on_previous_text: bool = False, initial_prompt: str | None = None,
+                           hotwords: str | None = None, prefix: str | None = None) -> list[Transcript]:
+    options = DecodeOptions(temperatures(temperature), compression_ratio_threshold=compression_ratio_threshold,
+                            logprob_threshold=logprob_threshold, no_speech_threshold=no_speech_threshold,
+                            best_of=best_of, condition_on_previous_text=condition_on_previous_text,
+                            initial_prompt=initial_prompt, hotwords=hotwords, prefix=prefix)
+    run = _Run(llm, language, task, strategy, timestamps, batch_size, progress or TranscribeProgress(), beam_size,
+               options)
     named = [(_name(s, i), s) for i, s in enumerate(sources)]
     durations = [_probe(src) for _, src in named]
     run.progress.start(sum(d for d in durations if isinstance(d, float)))
@@ -83,7 +113,8 @@ def _frames_first(samples: np.ndarray) -> np.ndarray:
 
 
 class _Run:
-    def __init__(self, llm, language, task, strategy, timestamps, batch_size, progress, beam_size=1):
+    def __init__(self, llm, language, task, strategy, timestamps, batch_size, progress, beam_size=1,
+                 options: DecodeOptions = DecodeOptions()):
         self.llm = llm
         self.tokens, fe, self.max_positions = engine_whisper_info(llm)
         self.sample_rate = fe.sampling_rate
@@ -112,6 +143,7 @@ class _Run:
         self.file_slots = asyncio.Semaphore(batch_size)
         self._advanced: dict[int, float] = {}      # id(Transcript) -> audio seconds reported so far
         self._rules: dict[tuple, tuple[list, int]] = {}
+        self._set_decoding(options)
 
     # ---- one file --------------------------------------------------------------------------
     async def file(self, name: str, source, duration: float | AudioError) -> Transcript:
@@ -125,14 +157,24 @@ class _Run:
             t = Transcript(name, language=self.language, duration_s=len(wave) / self.sample_rate)
             try:
                 decode = self._sequential if self.strategy == "sequential" else self._chunked
-                pieces = monotonic(await decode(wave, t), t.duration_s)
+                raw = await decode(wave, t)
             except (_DecodeError, ValueError) as e:
                 t.error = f"decoding failed: {e}"
                 return self._done(t, duration)
+            finally:
+                self._started.discard(id(t))
+                windows = self._file_stats.pop(id(t), [])
+                by_piece = self._piece_stats.pop(id(t), {})
+            # monotonic() makes new pieces in the same order; the window stats follow by position.
+            # A file of one window (any strategy) has its segments from that window alone.
+            alone = windows[0] if len(windows) == 1 else WindowStats()
+            stats = [by_piece.get(id(p), alone) for p in raw]
+            pieces = monotonic(raw, t.duration_s)
             t.text = self._text([tok for p in pieces for tok in p.token_ids])
             if self.timestamps:
-                t.segments = [Segment(round(p.start_s, 3), round(p.end_s, 3), text) for p in pieces
-                              if (text := self._text(p.token_ids))]
+                t.segments = [Segment(round(p.start_s, 3), round(p.end_s, 3), text, round(st.avg_logprob, 4),
+                                      round(st.compression_ratio, 4), round(st.no_speech_prob, 4), st.temperature)
+                              for p, st in zip(pieces, stats) if (text := self._text(p.token_ids))]
             return self._done(t, duration)
 
     def _done(self, t: Transcript, duration: float) -> Transcript:
@@ -162,12 +204,22 @@ class _Run:
         # generate; anything longer seeks by timestamps.
         use_ts = self.timestamps or len(wave) > self.window_samples
         seek, pieces = 0, []
+        previous = list(self.initial_prompt_ids)      # the text the next window is prompted with
         while len(wave) - seek >= MIN_WINDOW_S * self.sample_rate or seek == 0:
             window = wave[seek:seek + self.window_samples]
-            ids = await self._decode(window, t, use_ts)
+            ids = await self._decode(window, t, use_ts, previous_ids=previous)
             start_s, length_s = seek / self.sample_rate, len(window) / self.sample_rate
             result = parse_window(ids, self.tokens.eot, self.tokens.timestamp_begin, start_s, length_s, use_ts)
-            pieces += closed_pieces(result, start_s) if use_ts else result.pieces
+            kept = closed_pieces(result, start_s) if use_ts else result.pieces
+            for p in kept:
+                self._piece_stats.setdefault(id(t), {})[id(p)] = ids.stats
+            pieces += kept
+            if self.options.condition_on_previous_text:
+                done = kept_tokens(ids, self.tokens.eot, self.tokens.timestamp_begin,
+                                   not use_ts or result.consumed_s >= length_s)
+                previous = next_previous_ids(previous, done, ids.stats)
+            else:
+                previous = []
             step = max(1, int(round(result.consumed_s * self.sample_rate)))
             self._advance(t, min(step, len(wave) - seek) / self.sample_rate)
             seek += step
@@ -216,29 +268,95 @@ class _Run:
         return merged_pieces(merged)
 
     # ---- one window = one engine request ----------------------------------------------------
-    def _processors(self, detect: bool, use_ts: bool, cap_first_timestamp: bool) -> tuple[list, int]:
+    def _processors(self, detect: bool, use_ts: bool, cap_first_timestamp: bool,
+                    open_segment_at: int | None = None) -> tuple[list, int]:
         """The logits rules of a window, and how many forced tokens precede its text. Shared by
         every window of the run: they hold no per-request state."""
-        key = (detect, use_ts, cap_first_timestamp)
+        key = (detect, use_ts, cap_first_timestamp, open_segment_at)
         if key not in self._rules:
             self._rules[key] = decoding_rules(
                 self.tokens, detect_language=detect, timestamps=use_ts, task=self.task,
-                max_initial_timestamp_index=MAX_INITIAL_TIMESTAMP_INDEX if cap_first_timestamp else None)
+                max_initial_timestamp_index=MAX_INITIAL_TIMESTAMP_INDEX if cap_first_timestamp else None,
+                open_segment_at=open_segment_at)
         return self._rules[key]
 
+    def _set_decoding(self, o: DecodeOptions) -> None:
+        """The decoding options' token ids, looked up once per run."""
+        self.options = o
+        tok = self.llm.tokenizer
+        self.start_of_prev = _special_id(tok, "<|startofprev|>")
+        self.no_speech = _special_id(tok, "<|nospeech|>", "<|nocaptions|>")
+        if (o.condition_on_previous_text or o.initial_prompt or o.hotwords) and self.start_of_prev is None:
+            raise ValueError("this checkpoint's vocabulary has no <|startofprev|>: it cannot be prompted with "
+                             "previous text, an initial prompt or hotwords")
+        if o.condition_on_previous_text and self.strategy != "sequential":
+            raise ValueError("condition_on_previous_text needs strategy 'sequential' (windows decoded side by side "
+                             "have no previous text)")
+        if o.prefix and self.language is None:
+            raise ValueError("prefix needs the language (pass language=...): the first window's language is "
+                             "otherwise detected where the prefix would go")
+        self.initial_prompt_ids = self._encode("initial_prompt", o.initial_prompt)
+        self.hotword_ids = self._encode("hotwords", o.hotwords)
+        self.prefix_ids = self._encode("prefix", o.prefix)[:MAX_PROMPT_TOKENS]     # faster-whisper's bound
+        self._started: set[int] = set()             # id(Transcript) of files whose first window began
+        # Per file (id(Transcript)): each window's stats in order, and the sequential pieces' own.
+        self._file_stats: dict[int, list[WindowStats]] = {}
+        self._piece_stats: dict[int, dict[int, WindowStats]] = {}
+
+    def _encode(self, name: str, text: str | None) -> list[int]:
+        if not text or not text.strip():
+            return []
+        try:    # a leading space, as the text follows other text in the decoder (the original's)
+            return list(self.llm.tokenizer.encode(" " + text.strip(), add_special_tokens=False))
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+
     async def _decode(self, window: np.ndarray, t: Transcript, use_ts: bool,
-                      language_known: asyncio.Future | None = None, cap_first_timestamp: bool = True) -> list[int]:
+                      language_known: asyncio.Future | None = None, cap_first_timestamp: bool = True,
+                      previous_ids: list[int] | None = None) -> "WindowTokens":
+        """The window's output ids after the forced tokens, with its stats; empty when it is
+        judged silence. ``previous_ids``: the text to prompt with (None: the initial prompt, as
+        windows decoded side by side have no previous text). Each temperature tried is one
+        engine request. A file's first call decodes its first window (strategies start it first)."""
+        o = self.options
+        first = id(t) not in self._started
+        self._started.add(id(t))
+        prefix_ids = self.prefix_ids if first else []
+        # With timestamps the prefix opens the first segment at <|0.00|>.
+        forced = ([self.tokens.timestamp_begin] if use_ts and prefix_ids else []) + prefix_ids
+        previous_ids = self.initial_prompt_ids if previous_ids is None else previous_ids
+        hot = [] if prefix_ids else self.hotword_ids          # faster-whisper's: hotwords when no prefix
+        prompt = prompt_tokens(self.start_of_prev, hot, previous_ids) if self.start_of_prev is not None else []
+        for attempt, temperature in enumerate(o.temperatures, start=1):
+            ids, stats = await self._attempt(window, t, use_ts, language_known, cap_first_timestamp, prompt,
+                                             forced, temperature)
+            stats = dataclasses.replace(stats, num_attempts=attempt)
+            if not needs_fallback(stats, o):
+                break
+        self._file_stats.setdefault(id(t), []).append(stats)
+        if is_no_speech(stats, o):
+            return WindowTokens([], stats)
+        return WindowTokens(forced + ids, stats)
+
+    async def _attempt(self, window, t, use_ts, language_known, cap_first_timestamp, prompt, forced,
+                       temperature) -> tuple[list[int], WindowStats]:
         tok = self.tokens
         detect = t.language is None
-        prefix = tok.prefix(t.language, self.task, use_ts)
-        processors, begin = self._processors(detect, use_ts, cap_first_timestamp)
-        params = SamplingParams(max_tokens=min(MAX_WINDOW_TOKENS + begin, self.max_positions - len(prefix)),
-                                temperature=0.0, detokenize=False, logits_processors=processors or None,
-                                use_beam_search=self.beam_size > 1, best_of=self.beam_size, n=1)
-        prompt = {"prompt": "".join(self.llm.tokenizer.convert_ids_to_tokens(prefix)),
-                  "multi_modal_data": {"audio": [(window, self.sample_rate)]}}
+        decoder_prompt = prompt + tok.prefix(t.language, self.task, use_ts) + forced
+        processors, begin = self._processors(detect, use_ts, cap_first_timestamp,
+                                             tok.timestamp_begin if use_ts and forced else None)
+        beam = temperature == 0 and self.beam_size > 1
+        sampled = temperature > 0
+        params = SamplingParams(
+            max_tokens=min(MAX_WINDOW_TOKENS + begin, self.max_positions - len(decoder_prompt)),
+            temperature=temperature, seed=0 if sampled else None, n=self.options.best_of if sampled else 1,
+            detokenize=False, logits_processors=processors or None, use_beam_search=beam,
+            best_of=self.beam_size if beam else None, logprobs=0,
+            prefix_logprob_token_ids=[self.no_speech] if self.no_speech is not None else None,
+            prefix_logprob_position=len(prompt))        # right after <|startoftranscript|>
+        request = {"prompt_token_ids": decoder_prompt, "multi_modal_data": {"audio": [(window, self.sample_rate)]}}
         async with self.request_slots:
-            handle = await asyncio.to_thread(self.llm.generate_async, prompt, params, streaming=detect)
+            handle = await asyncio.to_thread(self.llm.generate_async, request, params, streaming=detect)
             try:
                 final = None
                 async for final in handle:
@@ -250,9 +368,32 @@ class _Run:
             except asyncio.CancelledError:
                 handle.abort()
                 raise
-        out = final.outputs[0] if final is not None else None
-        if final is None or final.error or out.finish_reason == "abort":
+        if final is None or final.error or any(c.finish_reason == "abort" for c in final.outputs):
             raise _DecodeError((final.error if final is not None else None) or "the engine aborted the request")
         t.num_windows += 1
-        t.num_tokens += len(out.token_ids)
-        return out.token_ids[begin:]
+        t.num_tokens += sum(len(c.token_ids) for c in final.outputs)
+        scored = [(c.token_ids[begin:], [lp[i] for i, lp in zip(c.token_ids[begin:], (c.logprobs or [])[begin:])])
+                  for c in final.outputs]
+        # The original's token count: everything before the end token, timestamps included.
+        ids, lps = scored[best_sample([([i for i in ids if i != tok.eot], sum(lps)) for ids, lps in scored])]
+        text_ids = [i for i in ids if i != tok.eot]
+        lp_ns = (final.outputs[0].prefix_logprobs or {}).get(self.no_speech)
+        return ids, WindowStats(temperature, avg_logprob(lps, len(text_ids)),
+                                compression_ratio(self._text(ids)), math.exp(lp_ns) if lp_ns is not None else 0.0)
+
+
+class WindowTokens(list):
+    """A window's output ids (a plain list to the strategies) and what its decode measured."""
+
+    def __init__(self, ids: list[int], stats: WindowStats):
+        super().__init__(ids)
+        self.stats = stats
+
+
+def _special_id(tokenizer, *names: str) -> int | None:
+    """The first of ``names`` the tokenizer knows (None: none of them, or no tokenizer)."""
+    for name in names:
+        i = tokenizer.convert_tokens_to_ids(name) if tokenizer is not None else None
+        if i is not None and i != getattr(tokenizer, "unk_token_id", None):
+            return int(i)
+    return None
