@@ -6,10 +6,18 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 
+class Word(NamedTuple):
+    word: str              # as decoded, with its leading space: a segment's words join to its text
+    start_s: float
+    end_s: float
+    probability: float     # the mean probability of its tokens
+
+
 class Segment(NamedTuple):
     start_s: float
     end_s: float
     text: str
+    words: tuple[Word, ...] = ()       # empty unless word timestamps were asked
 
 
 @dataclass

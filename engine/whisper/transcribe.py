@@ -38,20 +38,28 @@ class _DecodeError(RuntimeError):
 
 def transcribe(llm, sources: Sequence, *, language: str | None = None, task: str = "transcribe",
                strategy: str = "chunked", timestamps: bool = False, batch_size: int = 32,
-               progress: TranscribeProgress | None = None, beam_size: int = 1) -> list[Transcript]:
+               progress: TranscribeProgress | None = None, beam_size: int = 1,
+               word_timestamps: bool = False) -> list[Transcript]:
     """Transcripts in the order of ``sources`` (file paths, or ``(samples, sample_rate)``
     arrays). ``language=None`` detects it per file on multilingual checkpoints. ``beam_size``
     > 1 decodes each window by beam search (the LLM needs ``max_beam_width >= beam_size``).
+    ``word_timestamps`` fills ``Segment.words`` (it implies ``timestamps``; alignment.py).
     Raises ``ValueError`` for bad options; per-file problems go to ``Transcript.error``."""
     return asyncio.run(transcribe_async(llm, sources, language=language, task=task, strategy=strategy,
                                         timestamps=timestamps, batch_size=batch_size, progress=progress,
-                                        beam_size=beam_size))
+                                        beam_size=beam_size, word_timestamps=word_timestamps))
 
 
 async def transcribe_async(llm, sources: Sequence, *, language: str | None = None, task: str = "transcribe",
                            strategy: str = "chunked", timestamps: bool = False, batch_size: int = 32,
-                           progress: TranscribeProgress | None = None, beam_size: int = 1) -> list[Transcript]:
-    run = _Run(llm, language, task, strategy, timestamps, batch_size, progress or TranscribeProgress(), beam_size)
+                           progress: TranscribeProgress | None = None, beam_size: int = 1,
+                           word_timestamps: bool = False) -> list[Transcript]:
+    run = _Run(llm, language, task, strategy, timestamps or word_timestamps, batch_size,
+               progress or TranscribeProgress(), beam_size)
+    if word_timestamps:
+        from enc2dec.engine.whisper.alignment import WordAligner
+
+        run.aligner = WordAligner(llm, run.tokens, run.sample_rate, task)
     named = [(_name(s, i), s) for i, s in enumerate(sources)]
     durations = [_probe(src) for _, src in named]
     run.progress.start(sum(d for d in durations if isinstance(d, float)))
@@ -112,6 +120,7 @@ class _Run:
         self.file_slots = asyncio.Semaphore(batch_size)
         self._advanced: dict[int, float] = {}      # id(Transcript) -> audio seconds reported so far
         self._rules: dict[tuple, tuple[list, int]] = {}
+        self.aligner = None           # a WordAligner when word timestamps are asked
 
     # ---- one file --------------------------------------------------------------------------
     async def file(self, name: str, source, duration: float | AudioError) -> Transcript:
@@ -130,7 +139,13 @@ class _Run:
                 t.error = f"decoding failed: {e}"
                 return self._done(t, duration)
             t.text = self._text([tok for p in pieces for tok in p.token_ids])
-            if self.timestamps:
+            if self.aligner is not None:
+                try:
+                    t.segments = await self.aligner.segments(wave, pieces, [self._text(p.token_ids) for p in pieces],
+                                                             t.language)
+                except RuntimeError as e:
+                    t.error = f"word alignment failed: {e}"
+            elif self.timestamps:
                 t.segments = [Segment(round(p.start_s, 3), round(p.end_s, 3), text) for p in pieces
                               if (text := self._text(p.token_ids))]
             return self._done(t, duration)
