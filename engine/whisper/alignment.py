@@ -357,7 +357,7 @@ def plan_windows(pieces, duration_s: float) -> list[tuple[float, float, list[int
         first = pieces[i]
         start = prev_end
         if first.end_s - start > WINDOW_S:
-            start = max(prev_end, min(first.start_s - LEAD_S, first.end_s - WINDOW_S))
+            start = max(prev_end, first.start_s - LEAD_S)
         end = min(start + WINDOW_S, duration_s)
         members = [i]
         i += 1
