@@ -20,6 +20,12 @@ def verbose_segments(segments, tokenizer, temperature: float) -> list[dict]:
     return out
 
 
+def verbose_words(segments) -> list[dict]:
+    """OpenAI's top-level ``words``: each word without its leading space, punctuation kept."""
+    return [{"word": w.word.strip(), "start": round(w.start_s, 2), "end": round(w.end_s, 2)}
+            for s in segments for w in s.words]
+
+
 def _compression_ratio(text: str) -> float:
     raw = text.encode()
     return round(len(raw) / max(1, len(zlib.compress(raw))), 3)
