@@ -302,8 +302,7 @@ def merge_punctuation(timings: list[_Timing]) -> None:
 def segment_words(timings: list[_Timing], pieces, texts: list[str], last_speech_s: float):
     """Split one window's words among its pieces (by token counts) and apply the original's
     boundary rules: a first word after a pause and the edge words of a segment may not run
-    much longer than the median word. Returns ``(segments, last speech end)``; a segment's
-    start and end become its first word's start and last word's end where those are sound."""
+    much longer than the median word. Returns ``(segments, last speech end)``."""
     median_s, max_s = _median_and_max(timings)
     if median_s > 0:
         _cap_sentence_ends(timings, max_s)
@@ -317,19 +316,39 @@ def segment_words(timings: list[_Timing], pieces, texts: list[str], last_speech_
                 words.append(t)
             num_tokens += len(t.tokens)
             k += 1
-        start_s, end_s = piece.start_s, piece.end_s
         if words:
-            start_s, end_s = _fit_edges(words, start_s, end_s, last_speech_s, median_s, max_s)
-            last_speech_s = end_s
+            _fit_edges(words, piece.start_s, piece.end_s, last_speech_s, median_s, max_s)
+            last_speech_s = words[-1].end_s
         if text:
-            segments.append(Segment(round(start_s, 3), round(end_s, 3), text, tuple(
-                Word(w.word, round(w.start_s, 3), round(w.end_s, 3), round(float(np.mean(w.probs)), 4)
-                     if w.probs else 0.0) for w in words)))
+            segments.append(Segment(piece.start_s, piece.end_s, text, tuple(
+                Word(w.word, w.start_s, w.end_s, round(float(np.mean(w.probs)), 4) if w.probs else 0.0)
+                for w in words)))
     return segments, last_speech_s
 
 
+def monotone(segments: list[Segment]) -> list[Segment]:
+    """Words in order (each start at or after the previous end) and every segment spanning
+    exactly its words, so words never fall outside their segment nor segments overlap."""
+    out, last = [], 0.0
+    for seg in segments:
+        words = []
+        for w in seg.words:
+            start = round(max(w.start_s, last), 3)
+            end = round(max(w.end_s, start), 3)
+            words.append(w._replace(start_s=start, end_s=end))
+            last = end
+        if words:
+            out.append(seg._replace(start_s=words[0].start_s, end_s=words[-1].end_s, words=tuple(words)))
+        else:
+            start = round(max(seg.start_s, last), 3)
+            last = round(max(seg.end_s, start), 3)
+            out.append(seg._replace(start_s=start, end_s=last))
+    return out
+
+
 def _fit_edges(words: list[_Timing], start_s: float, end_s: float, last_speech_s: float, median_s: float,
-               max_s: float) -> tuple[float, float]:
+               max_s: float) -> None:
+    """The original's edge rules (the segment's own bounds then follow its words, ``monotone``)."""
     first, last = words[0], words[-1]
     if first.end_s - last_speech_s > 4 * median_s and (
             first.end_s - first.start_s > max_s or (len(words) > 1 and words[1].end_s - first.start_s > 2 * max_s)):
@@ -338,13 +357,8 @@ def _fit_edges(words: list[_Timing], start_s: float, end_s: float, last_speech_s
         first.start_s = max(0.0, first.end_s - max_s)
     if start_s < first.end_s and start_s - 0.5 > first.start_s:      # the first word is too long
         first.start_s = max(0.0, min(first.end_s - median_s, start_s))
-    else:
-        start_s = first.start_s
     if end_s > last.start_s and end_s + 0.5 < last.end_s:            # the last word is too long
         last.end_s = max(last.start_s + median_s, end_s)
-    else:
-        end_s = last.end_s
-    return start_s, end_s
 
 
 # ---- planning and the async front ------------------------------------------------------------
@@ -413,7 +427,7 @@ class WordAligner:
             segs, last_speech_s = segment_words(timings, [pieces[k] for k in members],
                                                 [texts[k] for k in members], last_speech_s)
             out += segs
-        return out
+        return monotone(out)
 
     async def _submit(self, window: AlignWindow):
         if not window.text_ids:
