@@ -1,6 +1,6 @@
 """Transcript segments as OpenAI's verbose_json segments (SRT/WebVTT: enc2dec.engine.whisper.subtitles).
 
-Segments are ``(start_s, end_s, text)`` triples (``enc2dec.engine.whisper.transcribe.Segment``).
+Segments are ``enc2dec.engine.whisper.results.Segment`` (start_s, end_s, text, words).
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from enc2dec.engine import LLM, KvCacheConfig
-from enc2dec.engine.whisper.alignment import _Timing, dtw_path, merge_punctuation, plan_windows, split_words
+from enc2dec.engine.whisper.alignment import _Timing, dtw_path, merge_punctuation, monotone, plan_windows, split_words
 from enc2dec.engine.whisper.longform import Piece
 from enc2dec.engine.whisper.results import Segment, Word
 from enc2dec.engine.whisper.subtitles import render, to_json
@@ -95,6 +95,16 @@ def test_windows_cover_every_piece_once_within_30_s():
         assert end - start <= 30.0 + 1e-9
         assert all(start <= pieces[k].start_s and pieces[k].end_s <= end for k in members)
     assert plans[-1][0] == pytest.approx(104.0)         # after a long gap: a second before the piece
+
+
+def test_words_are_put_in_order_and_segments_span_their_words():
+    # Two alignment windows may disagree at their join; a segment without words keeps its times.
+    a = Segment(0.0, 2.0, "One two.", (Word(" One", 0.3, 0.9, 0.9), Word(" two.", 0.9, 2.2, 0.9)))
+    b = Segment(2.0, 3.0, "Three", (Word(" Three", 2.1, 2.8, 0.9),))
+    c = Segment(2.5, 3.5, "...")
+    out = monotone([a, b, c])
+    assert [(s.start_s, s.end_s) for s in out] == [(0.3, 2.2), (2.2, 2.8), (2.8, 3.5)]
+    assert out[1].words[0][1:3] == (2.2, 2.8) and out[0].words == a.words
 
 
 # ---- writers ----------------------------------------------------------------------------------
