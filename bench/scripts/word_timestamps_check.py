@@ -28,6 +28,17 @@ def clips_from_manifest(folder: str = SPEECH) -> list[str]:
     return [os.path.join(folder, r["audio"]) for r in rows]
 
 
+def joined(clips: list[str], times: int, path: str, gap_s: float = 0.5) -> str:
+    """One long file: the clips ``times`` over, ``gap_s`` of silence after each."""
+    import numpy as np
+    import soundfile as sf
+
+    waves = [sf.read(c, dtype="float32")[0] for c in clips]
+    gap = np.zeros(int(gap_s * 16000), np.float32)
+    sf.write(path, np.concatenate([x for _ in range(times) for w in waves for x in (w, gap)]), 16000)
+    return path
+
+
 # ---- the three engines: per clip, [(word, start_s, end_s)] -------------------------------------
 def faster_whisper_words(ct2: str, clips: list[str], language: str = "en") -> list[list[tuple]]:
     from faster_whisper import WhisperModel
@@ -62,7 +73,8 @@ def transformers_words(checkpoint: str, clips: list[str], language: str = "en") 
     import torch
     from transformers import pipeline
 
-    pipe = pipeline("automatic-speech-recognition", model=checkpoint, device="cpu", dtype=torch.float32)
+    pipe = pipeline("automatic-speech-recognition", model=checkpoint, device="cpu", dtype=torch.float32,
+                    chunk_length_s=30)      # long files: 30 s chunks (shorter clips are one chunk)
     multilingual = pipe.model.generation_config.is_multilingual
     out = []
     for clip in clips:
@@ -106,12 +118,18 @@ def main() -> int:
     ap.add_argument("--fw-python", default="/work/fw-venv/bin/python", help="an interpreter with faster-whisper")
     ap.add_argument("--language", default="en")
     ap.add_argument("--strategy", default="sequential", help="enc2dec's long-form strategy")
+    ap.add_argument("--join", type=int, default=0, metavar="N",
+                    help="compare on one long file: the clips N times over, 0.5 s apart (long-form windows)")
     ap.add_argument("--emit", action="store_true", help=argparse.SUPPRESS)   # faster-whisper side: JSON out
     args = ap.parse_args()
     clips = args.clips or clips_from_manifest()
     if args.emit:
         print(json.dumps(faster_whisper_words(args.ct2, clips, args.language)))
         return 0
+    if args.join:
+        import tempfile
+
+        clips = [joined(clips, args.join, os.path.join(tempfile.mkdtemp(), "joined.wav"))]
     from enc2dec.engine import LLM, KvCacheConfig
 
     with LLM(args.model, kv_cache_config=KvCacheConfig(cross_kv_cache_fraction=0.5)) as llm:
@@ -119,7 +137,7 @@ def main() -> int:
     peers = {"transformers pipeline": transformers_words(args.model, clips, args.language)}
     if args.ct2 and os.path.exists(args.fw_python):
         peers["faster-whisper"] = faster_whisper_subprocess(args.fw_python, args.ct2, clips, args.language)
-    print(f"{len(clips)} clips, {sum(len(o) for o in ours)} words, model {args.model}")
+    print(f"{len(clips)} clips, {sum(len(o) for o in ours)} words, model {args.model}, strategy {args.strategy}")
     print("| peer | words paired | median abs diff, start | median abs diff, end | mean (starts and ends) | max |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for name, theirs in peers.items():
