@@ -41,6 +41,9 @@ Examples:
   enc2dec transcribe book.flac --strategy sequential
     --temperature 0,0.2,0.4,0.6,0.8,1.0 --condition-on-previous-text
     --initial-prompt 'Mr. Dashwood, Norland Park.'
+  # per-word start, end and probability in json; karaoke-style srt
+  enc2dec transcribe talk.mp3 --word-timestamps -f json,srt -o out/
+  enc2dec transcribe talk.mp3 --subtitle-words -f srt
 
   # a local checkpoint and an engine config (TensorRT-LLM YAML shape)
   enc2dec transcribe clip.wav --model ./whisper-base
@@ -72,6 +75,11 @@ def transcribe(
                                   "sequential (seek by predicted timestamps: most accurate).", D)] = "chunked",
     timestamps: Annotated[bool, option("Segment start and end times in the txt output (srt, vtt, tsv and json "
                                      "always carry them).", D)] = False,
+    word_timestamps: Annotated[bool, option("Per-word start, end and probability (json: a words list in each "
+                                          "segment), from the model's alignment heads; e.g. --word-timestamps "
+                                          "-f json. Costs one more encoder and decoder pass per window.", D)] = False,
+    subtitle_words: Annotated[bool, option("srt / vtt: one cue per word instead of one per segment (implies "
+                                         "--word-timestamps), e.g. --subtitle-words -f srt.", O)] = False,
     beam_size: Annotated[int, option("Beam width: 1 decodes greedily, K > 1 keeps K beams per window (the "
                                    "best hypothesis wins; slower).", D)] = 1,
     batch_size: Annotated[int, option("30 s windows decoding at once, across all files.", D)] = 32,
@@ -145,6 +153,9 @@ def _check_options(o: dict) -> tuple[list[str], list[str]]:
         raise _UsageError(f"--batch-size must be >= 1, got {o['batch_size']}")
     o["decode"] = _decode_options(o)
     formats = _formats(o["output_format"], o["output_dir"])
+    if o["subtitle_words"] and not any(f in ("srt", "vtt") for f in formats):
+        raise _UsageError(f"--subtitle-words applies to srt and vtt output, not {','.join(formats)}: "
+                          "add -f srt or -f vtt")
     files, problems = expand_inputs(o["inputs"])
     if problems:
         raise _UsageError("; ".join(problems))
@@ -226,7 +237,8 @@ def _run(o: dict) -> int:
                 results = run_transcribe(llm, files, language=o["language"], task=o["task"],
                                          strategy=o["strategy"], timestamps=o["timestamps"] or timed,
                                          batch_size=o["batch_size"], progress=progress,
-                                         beam_size=o["beam_size"], **o["decode"])
+                                         beam_size=o["beam_size"], **o["decode"],
+                                         word_timestamps=o["word_timestamps"] or o["subtitle_words"])
                 wall_s = time.perf_counter() - t1
             except ValueError as e:         # options the checkpoint cannot honour, a non-Whisper model
                 raise _UsageError(str(e)) from None
@@ -236,11 +248,11 @@ def _run(o: dict) -> int:
     ok = [t for t in results if t.error is None]
     for t in ok:
         if o["output_dir"]:
-            write_outputs(t, formats, o["output_dir"], stems[t.source])
+            write_outputs(t, formats, o["output_dir"], stems[t.source], words=o["subtitle_words"])
         else:
             if len(files) > 1:
                 typer.echo(f"==> {t.source} <==")
-            typer.echo(render(t, formats[0]), nl=False)
+            typer.echo(render(t, formats[0], words=o["subtitle_words"]), nl=False)
     for t in results:
         if t.error is not None:
             typer.echo(f"error: {t.error}", err=True)

@@ -7,6 +7,7 @@ iterable when streaming).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import queue
 import threading
 import time
@@ -196,6 +197,21 @@ class LLM:
                        streaming: bool = False) -> RequestHandle:
         return self._submit(self._core.make_request(inputs, sampling_params, streaming))
 
+    def call_on_engine(self, fn) -> concurrent.futures.Future:
+        """Run ``fn(engine_core)`` on the engine thread between two steps and return its result
+        as a future: work that needs the loaded model (Whisper's word alignment) runs without
+        racing the step loop for it. ``fn`` should be short; decoding waits while it runs."""
+        if self._stop:
+            raise RuntimeError("the LLM has been shut down")
+        if self._error is not None:
+            raise RuntimeError(f"the engine thread died: {self._error!r}")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("call", (fn, future)))
+        self._wake.set()
+        if not self._thread.is_alive():        # the loop ended between the checks and the put
+            self._fail_pending_calls()
+        return future
+
     def shutdown(self) -> None:
         if self._stop:
             return
@@ -258,6 +274,8 @@ class LLM:
                         break
                     if cmd == "add":
                         core.add(arg)
+                    elif cmd == "call":
+                        _run_call(core, *arg)
                     else:
                         self._deliver(filter(None, [core.abort(arg, None)]))
                 if not core.has_work():
@@ -273,6 +291,16 @@ class LLM:
         finally:
             for rid in list(self._handles):
                 self._deliver(filter(None, [core.abort(rid, "engine shut down")]))
+            self._fail_pending_calls()
+
+    def _fail_pending_calls(self) -> None:
+        while True:
+            try:
+                cmd, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd == "call":
+                arg[1].set_exception(RuntimeError("the LLM was shut down before the call ran"))
 
     def _wait_all(self, handles: list[RequestHandle], show_progress: bool) -> list[RequestOutput]:
         if not show_progress:
@@ -289,6 +317,15 @@ class LLM:
                 time.sleep(0.01)
         bar.close()
         return [h.result() for h in handles]
+
+
+def _run_call(core: EngineCore, fn, future: concurrent.futures.Future) -> None:
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        future.set_result(fn(core))
+    except Exception as e:  # noqa: BLE001 - the caller gets it; the step loop goes on
+        future.set_exception(e)
 
 
 def _is_batch(inputs) -> bool:

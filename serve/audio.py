@@ -1,10 +1,12 @@
 """POST /v1/audio/transcriptions and /v1/audio/translations (Whisper), as OpenAI takes them.
 
 Multipart fields: file, model, language (transcriptions only), prompt, response_format
-(json | text | srt | vtt | verbose_json), temperature, stream (json and text), and the
-extensions max_tokens / ignore_eos (vLLM's; ``enc2dec bench --url`` sends them). ``prompt``
-and ``temperature`` mean OpenAI's: previous text the decoder is prompted with
-(``<|startofprev|>``), and the temperature decoding starts at, 0.2 hotter per fallback.
+(json | text | srt | vtt | verbose_json), temperature, stream (json and text),
+timestamp_granularities[] (segment and/or word, with verbose_json: word adds OpenAI's
+top-level ``words`` list), and the extensions max_tokens / ignore_eos (vLLM's; ``enc2dec
+bench --url`` sends them). ``prompt`` and ``temperature`` mean OpenAI's: previous text the
+decoder is prompted with (``<|startofprev|>``), and the temperature decoding starts at, 0.2
+hotter per fallback.
 
 Two paths, both through the engine's async API:
 - direct: a clip of at most 30 s, no timestamps, language known (given, or an
@@ -32,7 +34,7 @@ from .completions import check_model
 from .errors import APIError, bad_request
 from .protocol import TextFields
 from .streaming import SSE_DONE, ClientGone, event_stream, failed_stream_events, sse, sse_error, unless_disconnected
-from .subtitles import verbose_segments
+from .subtitles import verbose_segments, verbose_words
 
 WINDOW_S = 30.0
 ENCODER_POSITIONS_PER_S = 50          # Whisper: 1500 encoder positions per 30 s window
@@ -49,7 +51,7 @@ class TranslationForm(TextFields):
     response_format: Literal["json", "text", "srt", "vtt", "verbose_json"] = "json"
     temperature: float = Field(0.0, ge=0.0, le=1.0)
     stream: bool = False
-    timestamp_granularities: list[Literal["segment"]] | None = Field(None, alias="timestamp_granularities[]")
+    timestamp_granularities: list[Literal["segment", "word"]] | None = Field(None, alias="timestamp_granularities[]")
     max_tokens: int | None = Field(None, ge=1)
     ignore_eos: bool = False
 
@@ -89,6 +91,13 @@ async def _handle(front, config, form, request, language: str | None, task: str)
     duration_s = len(wave) / fe.sampling_rate
     timed = form.response_format in TIMED_FORMATS and tokens.has_timestamps
     raw_prefix = bool(form.prompt) and form.prompt.startswith(SOT)     # a verbatim decoder prefix
+    words = "word" in (form.timestamp_granularities or ())
+    if words and form.response_format != "verbose_json":
+        raise bad_request("timestamp_granularities word needs response_format verbose_json, not "
+                          f"{form.response_format}", "timestamp_granularities")
+    if words and not tokens.has_timestamps:
+        raise bad_request("this model's vocabulary has no timestamp tokens: word timestamps are not available",
+                          "timestamp_granularities")
     if lang is None and (form.max_tokens or form.ignore_eos):
         lang = "en"       # the engine extensions mean one exact engine request: the engine's default language
     # One exact engine request (token-by-token streaming, the engine extensions, a raw prefix):
@@ -114,7 +123,8 @@ async def _handle(front, config, form, request, language: str | None, task: str)
                           "apply to clips of at most 30 s transcribed without timestamps (response_format json "
                           "or text)" + (" with a language given" if lang is None else ""),
                           "prompt" if raw_prefix else "max_tokens")
-    return await _long_form(front, config, request, form, wave, fe.sampling_rate, lang, task, timed, duration_s)
+    return await _long_form(front, config, request, form, wave, fe.sampling_rate, lang, task, timed, duration_s,
+                            words)
 
 
 def _previous_text(tokenizer, prompt: str | None) -> str:
@@ -183,7 +193,7 @@ async def _events(front, batch, duration_s: float):
 
 
 # ---- long-form: enc2dec.engine.whisper.transcribe ---------------------------------------------------
-async def _long_form(front, config, request, form, wave, rate, lang, task, timed, duration_s):
+async def _long_form(front, config, request, form, wave, rate, lang, task, timed, duration_s, words=False):
     from enc2dec.engine.whisper.transcribe import transcribe_async
 
     num_windows = max(1, math.ceil(duration_s / WINDOW_S))     # about: for the queue bound and the batch
@@ -194,7 +204,7 @@ async def _long_form(front, config, request, form, wave, rate, lang, task, timed
             (t,) = await unless_disconnected(request, transcribe_async(
                 front.llm, [(wave, rate)], language=lang, task=task, timestamps=timed, batch_size=num_windows,
                 strategy=config.long_form_strategy, temperature=fallback_temperatures(form.temperature),
-                initial_prompt=form.prompt or None))
+                initial_prompt=form.prompt or None, word_timestamps=words))
         except ClientGone:
             return Response(status_code=499)
         except ValueError as e:
@@ -234,9 +244,14 @@ def _respond(form, task, lang, text, segments, num_tokens, duration_s, tokenizer
         return PlainTextResponse(to_srt(SimpleNamespace(segments=segments)))
     if fmt == "vtt":
         return PlainTextResponse(to_vtt(SimpleNamespace(segments=segments)), media_type="text/vtt")
-    return {"task": task, "language": language_name(lang or "en").lower(), "duration": round(duration_s, 3),
-            "text": text, "segments": verbose_segments(segments, tokenizer),
-            "usage": {"type": "duration", "seconds": math.ceil(duration_s)}}
+    out = {"task": task, "language": language_name(lang or "en").lower(), "duration": round(duration_s, 3),
+           "text": text}
+    granularities = form.timestamp_granularities or ["segment"]
+    if "word" in granularities:
+        out["words"] = verbose_words(segments)
+    if "segment" in granularities:
+        out["segments"] = verbose_segments(segments, tokenizer)
+    return {**out, "usage": {"type": "duration", "seconds": math.ceil(duration_s)}}
 
 
 def _done_event(text: str, duration_s: float, num_tokens: int) -> dict:

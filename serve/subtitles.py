@@ -1,6 +1,6 @@
 """Transcript segments as OpenAI's verbose_json segments (SRT/WebVTT: enc2dec.engine.whisper.subtitles).
 
-Segments are ``(start_s, end_s, text)`` triples (``enc2dec.engine.whisper.transcribe.Segment``).
+Segments are ``enc2dec.engine.whisper.results.Segment`` (start_s, end_s, text, words).
 """
 from __future__ import annotations
 
@@ -19,6 +19,12 @@ def verbose_segments(segments, tokenizer) -> list[dict]:
                     "compression_ratio": s.compression_ratio or _compression_ratio(text),
                     "no_speech_prob": s.no_speech_prob})
     return out
+
+
+def verbose_words(segments) -> list[dict]:
+    """OpenAI's top-level ``words``: each word without its leading space, punctuation kept."""
+    return [{"word": w.word.strip(), "start": round(w.start_s, 2), "end": round(w.end_s, 2)}
+            for s in segments for w in s.words]
 
 
 def _compression_ratio(text: str) -> float:

@@ -6,6 +6,13 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 
+class Word(NamedTuple):
+    word: str              # as decoded, with its leading space: a segment's words join to its text
+    start_s: float
+    end_s: float
+    probability: float     # the mean probability of its tokens
+
+
 class Segment(NamedTuple):
     start_s: float
     end_s: float
@@ -17,6 +24,7 @@ class Segment(NamedTuple):
     compression_ratio: float = 0.0
     no_speech_prob: float = 0.0
     temperature: float = 0.0
+    words: tuple[Word, ...] = ()       # empty unless word timestamps were asked
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 srt and vtt follow the formats players read (SubRip ``HH:MM:SS,mmm``, WebVTT
 ``HH:MM:SS.mmm`` after a ``WEBVTT`` header); tsv is ``start``/``end`` in integer
-milliseconds and the text, as the original Whisper writes it; json holds everything.
+milliseconds and the text, as the original Whisper writes it; json holds everything (with
+word timestamps, each segment's ``words``). ``words=True`` makes srt and vtt one cue per word.
 """
 from __future__ import annotations
 
@@ -34,14 +35,19 @@ def to_txt(t) -> str:
                    f"{_cue_text(s.text)}\n" for s in t.segments)
 
 
-def to_srt(t) -> str:
-    return "".join(f"{i}\n{clock(s.start_s, ',')} --> {clock(s.end_s, ',')}\n{_cue_text(s.text)}\n\n"
-                   for i, s in enumerate(t.segments, 1))
+def _cues(t, words: bool) -> list[tuple[float, float, str]]:
+    if words:
+        return [(w.start_s, w.end_s, w.word) for s in t.segments for w in s.words]
+    return [(s.start_s, s.end_s, s.text) for s in t.segments]
 
 
-def to_vtt(t) -> str:
-    return "WEBVTT\n\n" + "".join(f"{clock(s.start_s)} --> {clock(s.end_s)}\n{_cue_text(s.text)}\n\n"
-                                  for s in t.segments)
+def to_srt(t, words: bool = False) -> str:
+    return "".join(f"{i}\n{clock(a, ',')} --> {clock(b, ',')}\n{_cue_text(text)}\n\n"
+                   for i, (a, b, text) in enumerate(_cues(t, words), 1))
+
+
+def to_vtt(t, words: bool = False) -> str:
+    return "WEBVTT\n\n" + "".join(f"{clock(a)} --> {clock(b)}\n{_cue_text(text)}\n\n" for a, b, text in _cues(t, words))
 
 
 def to_tsv(t) -> str:
@@ -58,18 +64,30 @@ def _measures(s) -> dict:
 def to_json(t) -> str:
     data = {
         "source": t.source, "language": t.language, "duration_s": round(t.duration_s, 3), "text": t.text,
-        "segments": [{"start": s.start_s, "end": s.end_s, "text": s.text, **_measures(s)} for s in t.segments],
+        "segments": [_json_segment(s) for s in t.segments],
     }
     return json.dumps(data, ensure_ascii=False, indent=2) + "\n"
+
+
+def _json_segment(s) -> dict:
+    out = {"start": s.start_s, "end": s.end_s, "text": s.text, **_measures(s)}
+    if s.words:
+        out["words"] = [{"word": w.word, "start": w.start_s, "end": w.end_s, "probability": w.probability}
+                        for w in s.words]
+    return out
 
 
 _WRITERS = {"txt": to_txt, "srt": to_srt, "vtt": to_vtt, "json": to_json, "tsv": to_tsv}
 
 
-def render(t, fmt: str) -> str:
+WORD_CUE_FORMATS = ("srt", "vtt")
+
+
+def render(t, fmt: str, words: bool = False) -> str:
+    """``words``: one srt/vtt cue per word (the segments need their words)."""
     if fmt not in _WRITERS:
         raise ValueError(f"output format {fmt!r} is not valid; valid: {', '.join(FORMATS)}, all")
-    return _WRITERS[fmt](t)
+    return _WRITERS[fmt](t, words) if fmt in WORD_CUE_FORMATS else _WRITERS[fmt](t)
 
 
 def output_stems(sources: list[str]) -> dict[str, str]:
@@ -89,12 +107,12 @@ def output_stems(sources: list[str]) -> dict[str, str]:
     return stems
 
 
-def write_outputs(t, formats: list[str], out_dir: str, stem: str) -> list[str]:
+def write_outputs(t, formats: list[str], out_dir: str, stem: str, words: bool = False) -> list[str]:
     os.makedirs(out_dir, exist_ok=True)
     paths = []
     for fmt in formats:
         path = os.path.join(out_dir, f"{stem}.{fmt}")
         with open(path, "w", encoding="utf-8") as f:
-            f.write(render(t, fmt))
+            f.write(render(t, fmt, words))
         paths.append(path)
     return paths

@@ -47,10 +47,12 @@ def transcribe(llm, sources: Sequence, *, language: str | None = None, task: str
                temperature: float | Sequence[float] = 0.0, compression_ratio_threshold: float | None = 2.4,
                logprob_threshold: float | None = -1.0, no_speech_threshold: float | None = 0.6, best_of: int = 5,
                condition_on_previous_text: bool = False, initial_prompt: str | None = None,
-               hotwords: str | None = None, prefix: str | None = None) -> list[Transcript]:
+               hotwords: str | None = None, prefix: str | None = None,
+               word_timestamps: bool = False) -> list[Transcript]:
     """Transcripts in the order of ``sources`` (file paths, or ``(samples, sample_rate)``
     arrays). ``language=None`` detects it per file on multilingual checkpoints. ``beam_size``
     > 1 decodes each window by beam search (the LLM needs ``max_beam_width >= beam_size``).
+    ``word_timestamps`` fills ``Segment.words`` (it implies ``timestamps``; alignment.py).
 
     The original Whisper's options (``decoding.py``): ``temperature`` a list such as
     ``(0.0, 0.2, 0.4, 0.6, 0.8, 1.0)`` decodes a window again at the next temperature when its
@@ -65,7 +67,7 @@ def transcribe(llm, sources: Sequence, *, language: str | None = None, task: str
         compression_ratio_threshold=compression_ratio_threshold, logprob_threshold=logprob_threshold,
         no_speech_threshold=no_speech_threshold, best_of=best_of,
         condition_on_previous_text=condition_on_previous_text, initial_prompt=initial_prompt, hotwords=hotwords,
-        prefix=prefix))
+        prefix=prefix, word_timestamps=word_timestamps))
 
 
 async def transcribe_async(llm, sources: Sequence, *, language: str | None = None, task: str = "transcribe",
@@ -75,13 +77,18 @@ async def transcribe_async(llm, sources: Sequence, *, language: str | None = Non
                            compression_ratio_threshold: float | None = 2.4, logprob_threshold: float | None = -1.0,
                            no_speech_threshold: float | None = 0.6, best_of: int = 5,
                            condition_on_previous_text: bool = False, initial_prompt: str | None = None,
-                           hotwords: str | None = None, prefix: str | None = None) -> list[Transcript]:
+                           hotwords: str | None = None, prefix: str | None = None,
+                           word_timestamps: bool = False) -> list[Transcript]:
     options = DecodeOptions(temperatures(temperature), compression_ratio_threshold=compression_ratio_threshold,
                             logprob_threshold=logprob_threshold, no_speech_threshold=no_speech_threshold,
                             best_of=best_of, condition_on_previous_text=condition_on_previous_text,
                             initial_prompt=initial_prompt, hotwords=hotwords, prefix=prefix)
-    run = _Run(llm, language, task, strategy, timestamps, batch_size, progress or TranscribeProgress(), beam_size,
-               options)
+    run = _Run(llm, language, task, strategy, timestamps or word_timestamps, batch_size,
+               progress or TranscribeProgress(), beam_size, options)
+    if word_timestamps:
+        from enc2dec.engine.whisper.alignment import WordAligner
+
+        run.aligner = WordAligner(llm, run.tokens, run.sample_rate, task)
     named = [(_name(s, i), s) for i, s in enumerate(sources)]
     durations = [_probe(src) for _, src in named]
     run.progress.start(sum(d for d in durations if isinstance(d, float)))
@@ -144,6 +151,7 @@ class _Run:
         self._advanced: dict[int, float] = {}      # id(Transcript) -> audio seconds reported so far
         self._rules: dict[tuple, tuple[list, int]] = {}
         self._set_decoding(options)
+        self.aligner = None           # a WordAligner when word timestamps are asked
 
     # ---- one file --------------------------------------------------------------------------
     async def file(self, name: str, source, duration: float | AudioError) -> Transcript:
@@ -171,7 +179,20 @@ class _Run:
             stats = [by_piece.get(id(p), alone) for p in raw]
             pieces = monotonic(raw, t.duration_s)
             t.text = self._text([tok for p in pieces for tok in p.token_ids])
-            if self.timestamps:
+            if self.aligner is not None:
+                texts = [self._text(p.token_ids) for p in pieces]
+                try:
+                    aligned = await self.aligner.segments(wave, pieces, texts, t.language)
+                except RuntimeError as e:
+                    t.error = f"word alignment failed: {e}"
+                else:
+                    # one aligned segment per piece with text, in order: the window stats follow
+                    kept = [st for st, text in zip(stats, texts) if text]
+                    t.segments = [s._replace(avg_logprob=round(st.avg_logprob, 4),
+                                             compression_ratio=round(st.compression_ratio, 4),
+                                             no_speech_prob=round(st.no_speech_prob, 4), temperature=st.temperature)
+                                  for s, st in zip(aligned, kept)]
+            elif self.timestamps:
                 t.segments = [Segment(round(p.start_s, 3), round(p.end_s, 3), text, round(st.avg_logprob, 4),
                                       round(st.compression_ratio, 4), round(st.no_speech_prob, 4), st.temperature)
                               for p, st in zip(pieces, stats) if (text := self._text(p.token_ids))]
