@@ -63,8 +63,10 @@ def transcribe(
     language: Annotated[OptStr, option("Spoken language, a code or a name (en, de, 'german'); default: "
                                      "detected per file on multilingual checkpoints.", D)] = None,
     task: Annotated[str, option("transcribe, or translate (into English).", D)] = "transcribe",
-    strategy: Annotated[str, option("Long audio: chunked (overlapping windows decoded together: fastest) or "
-                                  "sequential (seek by predicted timestamps: most accurate).", D)] = "chunked",
+    strategy: Annotated[str, option("Long audio: chunked (overlapping windows decoded together), sequential "
+                                  "(seek by predicted timestamps, one window at a time) or vad (speech regions "
+                                  "from Silero VAD packed into 30 s windows decoded together; silence is "
+                                  "skipped; needs pip install \"enc2dec[vad]\"). E.g. --strategy vad.", D)] = "chunked",
     timestamps: Annotated[bool, option("Segment start and end times in the txt output (srt, vtt, tsv and json "
                                      "always carry them).", D)] = False,
     beam_size: Annotated[int, option("Beam width: 1 decodes greedily, K > 1 keeps K beams per window (the "
@@ -111,6 +113,13 @@ def _check_options(o: dict) -> tuple[list[str], list[str]]:
         raise _UsageError(f"--beam-size must be >= 1, got {o['beam_size']}")
     if o["strategy"] not in STRATEGIES:
         raise _UsageError(f"--strategy {o['strategy']!r} is not valid; valid: {', '.join(STRATEGIES)}")
+    if o["strategy"] == "vad":
+        from enc2dec.engine.whisper.vad import check_available
+
+        try:
+            check_available()
+        except ValueError as e:
+            raise _UsageError(f"--strategy vad: {e}") from None
     if o["task"] not in TASKS:
         raise _UsageError(f"--task {o['task']!r} is not valid; valid: {', '.join(TASKS)}")
     if o["batch_size"] < 1:
