@@ -228,7 +228,8 @@ class _Run:
                                      for r, audio in zip(retry_from, windows)], t)
         pieces = []
         for w, window_pieces, extra in zip(plan, parsed, retried):
-            pieces += [Piece(*w.span_to_file_s(p.start_s, p.end_s, sr), p.token_ids) for p in window_pieces + (extra or [])]
+            pieces += [Piece(*w.span_to_file_s(p.start_s, p.end_s, sr), p.token_ids)
+                       for p in window_pieces + (extra or [])]
         return pieces
 
     async def _retry(self, jobs: list[tuple[np.ndarray, float] | None], t: Transcript) -> list[list[Piece] | None]:
@@ -236,8 +237,8 @@ class _Run:
         all in flight at once; the audio was already counted in the progress."""
         async def one(audio: np.ndarray, start_s: float) -> list[Piece]:
             ids = await self._decode(audio, t, True)
-            return parse_window(ids, self.tokens.eot, self.tokens.timestamp_begin, start_s, len(audio) / self.sample_rate,
-                                True).pieces
+            length_s = len(audio) / self.sample_rate
+            return parse_window(ids, self.tokens.eot, self.tokens.timestamp_begin, start_s, length_s, True).pieces
 
         todo = [asyncio.ensure_future(one(*job)) if job is not None else None for job in jobs]
         try:
