@@ -20,10 +20,11 @@ HELP = """Transcribe (or translate to English) audio files with Whisper.
 Inputs are files or folders (searched recursively) in any format that
 libsndfile reads (wav, flac, ogg, opus, mp3), at any sampling rate and
 channel count, of any length. --strategy chunked (default) decodes
-overlapping 30 s windows together and stitches them: the fastest.
---strategy sequential moves a 30 s window along the timestamps the model
-predicts, as the original Whisper does: the most accurate. See
-docs/transcribe.md. Text goes to stdout unless --output-dir is given;
+overlapping 30 s windows together and stitches them. --strategy
+sequential moves a 30 s window along the timestamps the model predicts,
+as the original Whisper does. --strategy vad decodes only the speech
+Silero VAD finds, packed into 30 s windows (silence gives no text; needs
+the vad extra of enc2dec). See docs/transcribe.md. Text goes to stdout unless --output-dir is given;
 progress and the summary go to stderr. Exit codes: 0 all files done,
 1 some file failed, 2 bad usage or input.
 
@@ -33,6 +34,9 @@ Examples:
 
   # subtitles for a folder, language given, two formats
   enc2dec transcribe recordings/ --language de -f srt,vtt -o subs/
+
+  # a long recording with pauses: decode only the speech
+  enc2dec transcribe meeting.flac --strategy vad
 
   # translate into English, segment times on stdout
   enc2dec transcribe interview.flac --task translate --timestamps
@@ -66,7 +70,7 @@ def transcribe(
     strategy: Annotated[str, option("Long audio: chunked (overlapping windows decoded together), sequential "
                                   "(seek by predicted timestamps, one window at a time) or vad (speech regions "
                                   "from Silero VAD packed into 30 s windows decoded together; silence is "
-                                  "skipped; needs pip install \"enc2dec[vad]\"). E.g. --strategy vad.", D)] = "chunked",
+                                  "skipped; needs the vad extra of enc2dec). E.g. --strategy vad.", D)] = "chunked",
     timestamps: Annotated[bool, option("Segment start and end times in the txt output (srt, vtt, tsv and json "
                                      "always carry them).", D)] = False,
     beam_size: Annotated[int, option("Beam width: 1 decodes greedily, K > 1 keeps K beams per window (the "
