@@ -20,10 +20,11 @@ HELP = """Transcribe (or translate to English) audio files with Whisper.
 Inputs are files or folders (searched recursively) in any format that
 libsndfile reads (wav, flac, ogg, opus, mp3), at any sampling rate and
 channel count, of any length. --strategy chunked (default) decodes
-overlapping 30 s windows together and stitches them: the fastest.
---strategy sequential moves a 30 s window along the timestamps the model
-predicts, as the original Whisper does: the most accurate. See
-docs/transcribe.md. Text goes to stdout unless --output-dir is given;
+overlapping 30 s windows together and stitches them. --strategy
+sequential moves a 30 s window along the timestamps the model predicts,
+as the original Whisper does. --strategy vad decodes only the speech
+Silero VAD finds, packed into 30 s windows (silence gives no text; needs
+the vad extra of enc2dec). See docs/transcribe.md. Text goes to stdout unless --output-dir is given;
 progress and the summary go to stderr. Exit codes: 0 all files done,
 1 some file failed, 2 bad usage or input.
 
@@ -33,6 +34,9 @@ Examples:
 
   # subtitles for a folder, language given, two formats
   enc2dec transcribe recordings/ --language de -f srt,vtt -o subs/
+
+  # a long recording with pauses: decode only the speech
+  enc2dec transcribe meeting.flac --strategy vad
 
   # translate into English, segment times on stdout
   enc2dec transcribe interview.flac --task translate --timestamps
@@ -71,8 +75,10 @@ def transcribe(
     language: Annotated[OptStr, option("Spoken language, a code or a name (en, de, 'german'); default: "
                                      "detected per file on multilingual checkpoints.", D)] = None,
     task: Annotated[str, option("transcribe, or translate (into English).", D)] = "transcribe",
-    strategy: Annotated[str, option("Long audio: chunked (overlapping windows decoded together: fastest) or "
-                                  "sequential (seek by predicted timestamps: most accurate).", D)] = "chunked",
+    strategy: Annotated[str, option("Long audio: chunked (overlapping windows decoded together), sequential "
+                                  "(seek by predicted timestamps, one window at a time) or vad (speech regions "
+                                  "from Silero VAD packed into 30 s windows decoded together; silence is "
+                                  "skipped; needs the vad extra of enc2dec). E.g. --strategy vad.", D)] = "chunked",
     timestamps: Annotated[bool, option("Segment start and end times in the txt output (srt, vtt, tsv and json "
                                      "always carry them).", D)] = False,
     word_timestamps: Annotated[bool, option("Per-word start, end and probability (json: a words list in each "
@@ -147,6 +153,13 @@ def _check_options(o: dict) -> tuple[list[str], list[str]]:
         raise _UsageError(f"--beam-size must be >= 1, got {o['beam_size']}")
     if o["strategy"] not in STRATEGIES:
         raise _UsageError(f"--strategy {o['strategy']!r} is not valid; valid: {', '.join(STRATEGIES)}")
+    if o["strategy"] == "vad":
+        from enc2dec.engine.whisper.vad import check_available
+
+        try:
+            check_available()
+        except ValueError as e:
+            raise _UsageError(f"--strategy vad: {e}") from None
     if o["task"] not in TASKS:
         raise _UsageError(f"--task {o['task']!r} is not valid; valid: {', '.join(TASKS)}")
     if o["batch_size"] < 1:

@@ -109,7 +109,7 @@ def test_timestamp_tokens_equal_transformers(real_whisper, tiny_llm):
         assert got[0] >= tok.timestamp_begin and got[-2] >= tok.timestamp_begin
 
 
-@pytest.mark.parametrize("strategy", ["sequential", "chunked"])
+@pytest.mark.parametrize("strategy", ["sequential", "chunked", "vad"])
 def test_long_audio_wer_and_segments(real_whisper, base_llm, joined, strategy):
     import jiwer
 

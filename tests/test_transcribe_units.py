@@ -77,29 +77,59 @@ def test_chunk_windows_cover_the_audio_and_start_in_pauses():
 
 
 def _merge(chunks, overlaps):
-    merged, prev = Merged(), (0, 0.0)
+    merged = Merged()
     for pieces, overlap in zip(chunks, overlaps):
-        merge_chunk(merged, pieces, overlap, prev, 30.0)
-        prev = (sum(len(p.token_ids) for p in pieces), 30.0)
+        merge_chunk(merged, pieces, overlap)
     return merged_pieces(merged)
+
+
+def _flat(pieces):
+    return [t for p in pieces for t in p.token_ids]
 
 
 def test_merge_splices_inside_the_overlap_without_duplicates():
     left = [Piece(0, 10, list(range(1, 21))), Piece(10, 30, list(range(21, 41)))]
-    right = [Piece(25, 40, [37, 38, 39, 40, 41, 42]), Piece(40, 55, [43, 44])]   # a cut word (37) included
-    out = _merge([left, right], [0.0, 5.0])
-    assert [t for p in out for t in p.token_ids] == list(range(1, 45))
-    assert [(p.start_s, p.end_s) for p in out] == [(0, 10), (10, 40), (40, 55)]   # the cut piece joined
+    right = [Piece(25, 30, [37, 38, 39, 40, 41]), Piece(30, 40, [42, 43, 44])]   # a cut word (37) included
+    out = _merge([left, right], [(0, 0), (25, 30)])
+    assert _flat(out) == list(range(1, 45))
+    assert [(p.start_s, p.end_s) for p in out] == [(0, 10), (10, 30), (30, 40)]
 
 
-def test_merge_ignores_a_repeat_far_from_the_overlap_and_keeps_both_without_a_match():
+def test_merge_joins_the_piece_the_splice_cuts_in_two():
+    left = [Piece(0, 20, list(range(1, 21))), Piece(20, 30, list(range(21, 31)))]
+    right = [Piece(25, 35, list(range(26, 36))), Piece(35, 50, [36, 37])]
+    out = _merge([left, right], [(0, 0), (25, 30)])
+    assert _flat(out) == list(range(1, 38))
+    assert [(p.start_s, p.end_s) for p in out] == [(0, 20), (20, 35), (35, 50)]
+
+
+def test_merge_a_phrase_recurring_across_the_overlap_does_not_collapse_the_stretch_between():
+    # "7 8 9 10" is said at 22-26 s and again at 30.5-34 s; only "50 51 52" (26-30 s) lies in
+    # both windows. Matching the phrase's two utterances would drop 50 51 52 and one utterance.
+    phrase = [7, 8, 9, 10]
+    left = [Piece(0, 22, list(range(20, 40))), Piece(22, 26, phrase), Piece(26, 30, [50, 51, 52])]
+    right = [Piece(25, 30, [50, 51, 52]), Piece(30.5, 34, phrase), Piece(34, 55, list(range(60, 80)))]
+    out = _flat(_merge([left, right], [(0, 0), (25, 30)]))
+    assert out == list(range(20, 40)) + phrase + [50, 51, 52] + phrase + list(range(60, 80))
+
+
+def test_merge_keeps_everything_outside_the_overlap_when_the_windows_disagree():
+    left = [Piece(0, 26, list(range(1, 27))), Piece(26, 30, [90, 91, 92, 93])]
+    right = [Piece(25, 30, [80, 81, 82, 83, 84]), Piece(30, 40, list(range(31, 41)))]
+    out = _flat(_merge([left, right], [(0, 0), (25, 30)]))
+    # No shared run: each side keeps what it heard up to the middle of the overlap (27.5 s).
+    assert out[:26] == list(range(1, 27)) and out[-10:] == list(range(31, 41))
+    assert out[26:-10] == [90, 82, 83, 84]
+
+
+def test_merge_ignores_a_repeat_far_from_the_overlap_and_silent_overlaps():
     phrase = [7, 8, 9, 10]
     left = [Piece(0, 30, phrase + list(range(20, 60)) + [61, 62])]
-    right = [Piece(25, 55, [61, 62, 63] + phrase)]           # the phrase again, later in the audio
-    tokens = [t for p in _merge([left, right], [0.0, 5.0]) for t in p.token_ids]
-    assert tokens == phrase + list(range(20, 60)) + [61, 62, 63] + phrase
-    no_match = _merge([[Piece(0, 30, [1, 2, 3])], [Piece(25, 55, [4, 5])]], [0.0, 5.0])
-    assert [t for p in no_match for t in p.token_ids] == [1, 2, 3, 4, 5]
+    right = [Piece(25, 32, [61, 62, 63]), Piece(50, 54, phrase)]           # the phrase again, later on
+    assert _flat(_merge([left, right], [(0, 0), (25, 30)])) == phrase + list(range(20, 60)) + [61, 62, 63] + phrase
+    silent = _merge([[Piece(0, 20, [1, 2, 3])], [Piece(31, 55, [4, 5])]], [(0, 0), (25, 30)])
+    assert _flat(silent) == [1, 2, 3, 4, 5]
+    assert [(p.start_s, p.end_s) for p in silent] == [(0, 20), (31, 55)]
 
 
 def test_monotonic_clamps_into_the_audio():

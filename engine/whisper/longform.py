@@ -9,12 +9,10 @@ Two strategies (docs/transcribe.md compares them):
   file, so a file decodes serially; the most accurate (no cut words, no merge).
 - chunked: windows that overlap by about ``CHUNK_OVERLAP_S`` (each start moved into the
   nearest pause), all decoded at once, then stitched where the token sequences of
-  neighbouring windows agree inside the overlap.
+  neighbouring windows agree inside the overlap, at times that agree.
 """
 from __future__ import annotations
 
-import difflib
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,6 +23,16 @@ WINDOW_S = 30.0
 CHUNK_OVERLAP_S = 5.0
 CHUNK_SEARCH_S = 2.0       # how far a chunk start may move to land in a pause
 MIN_WINDOW_S = 0.1        # shorter tails are not decoded (nothing to hear, easy to hallucinate on)
+# Stitching: how far outside the overlap a token's estimated time may lie and still be matched
+# (a piece's tokens are spread evenly over it, which misplaces some by a second or so), and how
+# well two windows' times for the same words agree (Whisper's timestamps are good to a few
+# tenths; the estimate within a piece is coarser).
+STITCH_SLACK_S = 1.0
+STITCH_TOLERANCE_S = 2.5
+# Whisper sometimes closes a window early and skips its last sentences (tiny.en does on about one
+# window in ten). A window whose words stop this long before the audio that only it hears ends
+# is decoded once more from where they stopped, as the original's seek would.
+RETRY_GAP_S = 1.0
 
 
 @dataclass
@@ -43,9 +51,10 @@ class WindowResult:
 
 
 @dataclass
-class _Item:                    # one text token of a chunk, and the piece it belongs to
+class _Item:                    # one text token of a chunk, the piece it belongs to, when it was spoken
     token_id: int
     piece: int
+    time_s: float
 
 
 @dataclass
@@ -129,6 +138,15 @@ def parse_window(token_ids: list[int], eot: int, timestamp_begin: int, start_s: 
     return WindowResult(pieces, consumed)
 
 
+def unheard_from(pieces: list[Piece], until_s: float) -> float | None:
+    """Where a window's words stop, when that is more than ``RETRY_GAP_S`` before ``until_s``
+    (the end of the audio no other window hears); None when nothing is missing, or when the
+    window heard no words at all (then it is silence, or noise a retry would only invent text for)."""
+    if not pieces or pieces[-1].end_s >= until_s - RETRY_GAP_S:
+        return None
+    return pieces[-1].end_s
+
+
 def closed_pieces(result: WindowResult, start_s: float) -> list[Piece]:
     """The pieces that end at or before the point the next sequential window starts from."""
     limit = start_s + result.consumed_s + 1e-6
@@ -136,40 +154,74 @@ def closed_pieces(result: WindowResult, start_s: float) -> list[Piece]:
 
 
 # ---- stitching chunks ----------------------------------------------------------------------
-def _search_len(num_tokens: int, overlap_s: float, length_s: float) -> int:
-    # Tokens that can fall inside the overlap: its share of the window, with slack for
-    # uneven speech rates.
-    return min(num_tokens, max(8, math.ceil(num_tokens * 1.5 * overlap_s / max(length_s, 1e-6)) + 4))
+def _items(pieces: list[Piece], first_piece: int) -> list[_Item]:
+    """A chunk's text tokens, each timed by spreading its piece's tokens evenly over the piece."""
+    return [_Item(t, first_piece + n, p.start_s + (k + 0.5) * (p.end_s - p.start_s) / len(p.token_ids))
+            for n, p in enumerate(pieces) for k, t in enumerate(p.token_ids)]
 
 
-def merge_chunk(merged: Merged, pieces: list[Piece], overlap_s: float, prev_len: tuple[int, float],
-                length_s: float, min_match: int = 2) -> None:
-    """Append one chunk's pieces to ``merged``. The splice point is the middle of the longest
-    run of tokens that the end of the previous chunk and the start of this one share
-    (searched only near the overlap, so repeated phrases elsewhere cannot match). Without
-    such a run (silence in the overlap, or the two decodes disagree) both are kept whole."""
-    items = [_Item(t, len(merged.pieces) + k) for k, p in enumerate(pieces) for t in p.token_ids]
+def _agreeing_run(left: list[_Item], right: list[_Item], min_match: int) -> tuple[int, int, int] | None:
+    """(start in left, start in right, length) of the longest run of equal tokens whose times
+    in the two windows agree within ``STITCH_TOLERANCE_S``; ties go to the closer times. A
+    phrase that recurs further apart is another utterance of it: matching it would splice out
+    everything spoken between the two."""
+    best, best_key = None, None
+    run = [0] * (len(right) + 1)                # run[j + 1]: equal tokens ending at (i, j)
+    for i, a in enumerate(left):
+        prev, run = run, [0] * (len(right) + 1)
+        for j, b in enumerate(right):
+            if a.token_id != b.token_id:
+                continue
+            run[j + 1] = prev[j] + 1
+            ends = i + 1 == len(left) or j + 1 == len(right) or left[i + 1].token_id != right[j + 1].token_id
+            size = run[j + 1]
+            if not ends or size < min_match:
+                continue
+            a0, b0 = i + 1 - size, j + 1 - size
+            gap_s = abs(sum(it.time_s for it in left[a0:i + 1]) - sum(it.time_s for it in right[b0:j + 1])) / size
+            if gap_s <= STITCH_TOLERANCE_S and (best_key is None or (size, -gap_s) > best_key):
+                best, best_key = (a0, b0, size), (size, -gap_s)
+    return best
+
+
+def merge_chunk(merged: Merged, pieces: list[Piece], overlap: tuple[float, float], min_match: int = 2) -> None:
+    """Append one chunk's pieces to ``merged``; ``overlap`` is the (start, end) in seconds of the
+    audio this chunk shares with the previous one. Only tokens timed inside the overlap (give or
+    take ``STITCH_SLACK_S``) take part, so nothing outside it is ever dropped. The splice point is
+    the middle of the longest run of tokens the two windows share there at agreeing times; with
+    no such run (silence, or two decodes that disagree) each window keeps its tokens up to the
+    middle of the overlap."""
+    items = _items(pieces, len(merged.pieces))
     new_pieces = [Piece(p.start_s, p.end_s, []) for p in pieces]
-    prev_tokens, prev_length_s = prev_len
-    if merged.items and items and overlap_s > 0:
-        n_left = _search_len(prev_tokens, overlap_s, prev_length_s)
-        n_right = _search_len(len(items), overlap_s, length_s)
-        left0 = len(merged.items) - n_left
-        left = [it.token_id for it in merged.items[left0:]]
-        right = [it.token_id for it in items[:n_right]]
-        m = difflib.SequenceMatcher(None, left, right, autojunk=False).find_longest_match(
-            0, len(left), 0, len(right))
-        if m.size >= min_match:
-            cut_left = left0 + m.a + m.size // 2
-            cut_right = m.b + m.size // 2
-            left_piece = merged.items[cut_left - 1].piece if cut_left > 0 else None
-            right_piece = items[cut_right].piece if cut_right < len(items) else None
-            del merged.items[cut_left:]
-            items = items[cut_right:]
-            if left_piece is not None and right_piece is not None:
-                # The piece cut in two becomes one: its start from the left, its end from the right.
-                merged.pieces[left_piece].end_s = new_pieces[right_piece - len(merged.pieces)].end_s
-                items = [_Item(it.token_id, left_piece if it.piece == right_piece else it.piece) for it in items]
+    lo, hi = overlap
+    if merged.items and items and hi > lo:
+        left0 = len(merged.items)
+        while left0 > 0 and merged.items[left0 - 1].time_s >= lo - STITCH_SLACK_S:
+            left0 -= 1
+        n_right = 0
+        while n_right < len(items) and items[n_right].time_s <= hi + STITCH_SLACK_S:
+            n_right += 1
+        left, right = merged.items[left0:], items[:n_right]
+        run = _agreeing_run(left, right, min_match)
+        if run is not None:
+            cut_left, cut_right = left0 + run[0] + run[2] // 2, run[1] + run[2] // 2
+        elif left and right and left[-1].time_s >= right[0].time_s:
+            # Both heard words at the same times: each keeps its own up to the middle of that stretch.
+            mid = (max(lo, right[0].time_s) + min(hi, left[-1].time_s)) / 2
+            cut_left = left0 + sum(it.time_s < mid for it in left)
+            cut_right = sum(it.time_s < mid for it in right)
+        else:           # one window heard nothing where the other heard words: nothing is doubled
+            cut_left, cut_right = len(merged.items), 0
+        split = (0 < cut_left < len(merged.items) and merged.items[cut_left].piece == merged.items[cut_left - 1].piece
+                 or 0 < cut_right < len(items) and items[cut_right].piece == items[cut_right - 1].piece)
+        del merged.items[cut_left:]
+        items = items[cut_right:]
+        if split and merged.items and items:
+            # The piece cut in two becomes one: its start from the left, its end from the right.
+            left_piece, right_piece = merged.items[-1].piece, items[0].piece
+            merged.pieces[left_piece].end_s = new_pieces[right_piece - len(merged.pieces)].end_s
+            items = [_Item(it.token_id, left_piece if it.piece == right_piece else it.piece, it.time_s)
+                     for it in items]
     merged.pieces.extend(new_pieces)
     merged.items.extend(items)
 

@@ -23,16 +23,18 @@ from collections.abc import Sequence
 import numpy as np
 
 from enc2dec.engine.whisper.audio import AudioError, load_audio, probe_duration_s, resample, to_mono
-from enc2dec.engine.whisper.longform import (MIN_WINDOW_S, WINDOW_S, Merged, chunk_windows, closed_pieces,
-                                             merge_chunk, merged_pieces, monotonic, parse_window)
+from enc2dec.engine.whisper.longform import (CHUNK_OVERLAP_S, MIN_WINDOW_S, WINDOW_S, Merged, Piece, chunk_windows,
+                                             closed_pieces, merge_chunk, merged_pieces, monotonic, parse_window,
+                                             unheard_from)
 from enc2dec.engine.sampling_params import SamplingParams
 from enc2dec.engine.whisper.decoding import (MAX_PROMPT_TOKENS, DecodeOptions, WindowStats, avg_logprob, best_sample,
                                              compression_ratio, is_no_speech, kept_tokens, needs_fallback,
                                              next_previous_ids, prompt_tokens, temperatures)
 from enc2dec.engine.whisper.results import Segment, Transcript, TranscribeProgress
 from enc2dec.engine.whisper.tokens import MAX_INITIAL_TIMESTAMP_INDEX, decoding_rules, engine_whisper_info
+from enc2dec.engine.whisper.vad import check_available, pack_windows, speech_regions
 
-STRATEGIES = ("chunked", "sequential")
+STRATEGIES = ("chunked", "sequential", "vad")
 TASKS = ("transcribe", "translate")
 MAX_WINDOW_TOKENS = 224          # per window, as the original Whisper: half the decoder context
 
@@ -126,8 +128,11 @@ class _Run:
         self.tokens, fe, self.max_positions = engine_whisper_info(llm)
         self.sample_rate = fe.sampling_rate
         self.window_samples = int(round(WINDOW_S * self.sample_rate))
+        self.overlap_samples = int(round(CHUNK_OVERLAP_S * self.sample_rate))
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy {strategy!r} is not valid; valid: {', '.join(STRATEGIES)}")
+        if strategy == "vad":
+            check_available()
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         if not isinstance(beam_size, int) or beam_size < 1:
@@ -164,7 +169,7 @@ class _Run:
                 return self._done(Transcript(name, error=str(e)), duration)
             t = Transcript(name, language=self.language, duration_s=len(wave) / self.sample_rate)
             try:
-                decode = self._sequential if self.strategy == "sequential" else self._chunked
+                decode = {"sequential": self._sequential, "chunked": self._chunked, "vad": self._vad}[self.strategy]
                 raw = await decode(wave, t)
             except (_DecodeError, ValueError) as e:
                 t.error = f"decoding failed: {e}"
@@ -255,10 +260,74 @@ class _Run:
         # them Whisper often ends a full 30 s window early and drops whole sentences.
         use_ts = self.timestamps or len(windows) > 1
         new_audio_s = [(ends[i] - (ends[i - 1] if i else 0)) / sr for i in range(len(ends))]
+        # A chunk after the first starts mid-speech: its first words may come late.
+        outputs = await self._decode_windows(windows, t, use_ts, new_audio_s, [i == 0 for i in range(len(windows))])
+        parsed = [parse_window(ids, self.tokens.eot, self.tokens.timestamp_begin, starts[i] / sr, len(windows[i]) / sr,
+                               use_ts).pieces for i, ids in enumerate(outputs)]
+        # Only window i hears the audio up to where window i + 1 starts; a retry runs into the next
+        # window by the usual overlap, so the two stitch like neighbours.
+        only_mine = starts[1:] + [len(wave)]
+        retry_from = [unheard_from(p, only_mine[i] / sr) if use_ts else None for i, p in enumerate(parsed)]
+        retry_end = [min(int(r * sr) + self.window_samples, only_mine[i] + self.overlap_samples, len(wave))
+                     if r is not None else 0 for i, r in enumerate(retry_from)]
+        retried = await self._retry([None if r is None else (wave[int(r * sr):retry_end[i]], r)
+                                     for i, r in enumerate(retry_from)], t)
+        merged, heard_until = Merged(), 0.0
+        for i, pieces in enumerate(parsed):
+            start_s = starts[i] / sr
+            merge_chunk(merged, pieces, (start_s, max(heard_until, start_s)))
+            heard_until = ends[i] / sr
+            if retried[i] is not None:
+                merge_chunk(merged, retried[i], (retry_from[i], heard_until))
+                heard_until = max(heard_until, retry_end[i] / sr)
+        return merged_pieces(merged)
 
+    async def _vad(self, wave: np.ndarray, t: Transcript):
+        sr = self.sample_rate
+        regions = await asyncio.to_thread(speech_regions, wave, sr, WINDOW_S)
+        plan = pack_windows(regions, self.window_samples)
+        if not plan:
+            return []           # no speech: nothing to decode, nothing to invent
+        windows = [w.audio(wave) for w in plan]
+        use_ts = self.timestamps or len(wave) > self.window_samples
+        heard = [w.regions[-1][1] for w in plan]
+        new_audio_s = [(heard[i] - (heard[i - 1] if i else 0)) / sr for i in range(len(plan))]
+        # Every window opens at a speech onset (plus the pad), so its first timestamp comes early.
+        outputs = await self._decode_windows(windows, t, use_ts, new_audio_s, [True] * len(plan))
+        parsed = [parse_window(ids, self.tokens.eot, self.tokens.timestamp_begin, 0.0, len(audio) / sr, use_ts).pieces
+                  for audio, ids in zip(windows, outputs)]
+        retry_from = [unheard_from(p, len(audio) / sr) if use_ts else None for p, audio in zip(parsed, windows)]
+        retried = await self._retry([None if r is None else (audio[int(r * sr):], r)
+                                     for r, audio in zip(retry_from, windows)], t)
+        pieces = []
+        for w, window_pieces, extra in zip(plan, parsed, retried):
+            pieces += [Piece(*w.span_to_file_s(p.start_s, p.end_s, sr), p.token_ids)
+                       for p in window_pieces + (extra or [])]
+        return pieces
+
+    async def _retry(self, jobs: list[tuple[np.ndarray, float] | None], t: Transcript) -> list[list[Piece] | None]:
+        """The pieces of each ``(audio, start_s)`` decoded once more with timestamps (None stays None),
+        all in flight at once; the audio was already counted in the progress."""
+        async def one(audio: np.ndarray, start_s: float) -> list[Piece]:
+            ids = await self._decode(audio, t, True)
+            length_s = len(audio) / self.sample_rate
+            return parse_window(ids, self.tokens.eot, self.tokens.timestamp_begin, start_s, length_s, True).pieces
+
+        todo = [asyncio.ensure_future(one(*job)) if job is not None else None for job in jobs]
+        try:
+            return [await f if f is not None else None for f in todo]
+        except BaseException:
+            for f in todo:
+                if f is not None:
+                    f.cancel()
+            raise
+
+    async def _decode_windows(self, windows: list[np.ndarray], t: Transcript, use_ts: bool,
+                              new_audio_s: list[float], cap_first_timestamp: list[bool]) -> list[list[int]]:
+        """Every window's output, all in flight at once. Without a language on a multilingual
+        checkpoint, the other windows wait for the first one's language token, not its whole text."""
         async def one(i: int, language_known: asyncio.Future | None = None):
-            # A chunk after the first starts mid-speech: its first words may come late.
-            ids = await self._decode(windows[i], t, use_ts, language_known, cap_first_timestamp=i == 0)
+            ids = await self._decode(windows[i], t, use_ts, language_known, cap_first_timestamp[i])
             self._advance(t, new_audio_s[i])
             return ids
 
@@ -267,26 +336,15 @@ class _Run:
         rest: list[asyncio.Future] = []
         try:
             if language_known is not None and len(windows) > 1:
-                # The other windows wait for the first one's language token, not its whole text.
                 await asyncio.wait([first, language_known], return_when=asyncio.FIRST_COMPLETED)
                 if first.done():
                     first.result()          # raises the first window's failure
             rest = [asyncio.ensure_future(one(i)) for i in range(1, len(windows))]
-            outputs = [await first] + list(await asyncio.gather(*rest))
+            return [await first] + list(await asyncio.gather(*rest))
         except BaseException:
             for f in [first, *rest]:
                 f.cancel()
             raise
-        merged = Merged()
-        prev = (0, 0.0)
-        for i, ids in enumerate(outputs):
-            start_s, length_s = starts[i] / sr, len(windows[i]) / sr
-            pieces = parse_window(ids, self.tokens.eot, self.tokens.timestamp_begin, start_s, length_s,
-                                  use_ts).pieces
-            overlap_s = (ends[i - 1] - starts[i]) / sr if i else 0.0
-            merge_chunk(merged, pieces, overlap_s, prev, length_s)
-            prev = (sum(len(p.token_ids) for p in pieces), length_s)
-        return merged_pieces(merged)
 
     # ---- one window = one engine request ----------------------------------------------------
     def _processors(self, detect: bool, use_ts: bool, cap_first_timestamp: bool,

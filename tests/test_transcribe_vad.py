@@ -1,0 +1,121 @@
+"""transcribe --strategy vad: windows packed from speech regions, their times mapped back to
+the file, silence and noise decoded to nothing, the missing extra named; with the real
+tiny.en checkpoint and Silero VAD where marked ``real``."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import soundfile as sf
+from enc2dec.cli.main import app
+from enc2dec.engine.whisper.longform import Piece, unheard_from
+from enc2dec.engine.whisper.vad import VadWindow, pack_windows
+from typer.testing import CliRunner
+
+SR = 16000
+
+
+# ---- the plan, without a model -----------------------------------------------------------------
+def test_pack_windows_fills_windows_in_order_and_cuts_an_overlong_region():
+    regions = [(0, 10), (20, 35), (40, 48), (60, 61), (70, 100)]
+    windows = pack_windows(regions, max_samples=25)
+    assert [w.regions for w in windows] == [((0, 10), (20, 35)), ((40, 48), (60, 61)), ((70, 95),), ((95, 100),)]
+    assert all(w.num_samples <= 25 for w in windows)
+    assert [r for w in windows for r in w.regions][:4] == regions[:4]        # nothing lost or reordered
+    assert pack_windows([], 25) == []
+
+
+def test_window_seconds_map_to_the_file_across_the_left_out_silence():
+    w = VadWindow(((20 * SR, 25 * SR), (40 * SR, 50 * SR)))      # 5 s of speech, 15 s of silence, 10 s
+    assert w.num_samples == 15 * SR and len(w.audio(np.arange(60 * SR))) == 15 * SR
+    assert w.to_file_s(0.0, SR) == 20.0
+    assert w.to_file_s(3.0, SR) == 23.0
+    assert w.to_file_s(5.0, SR, is_end=True) == 25.0          # a segment that ends on the seam ends in region 1
+    assert w.to_file_s(5.0, SR) == 40.0                       # one that starts there starts in region 2
+    assert w.to_file_s(7.5, SR) == 42.5
+    assert w.to_file_s(30.0, SR, is_end=True) == 50.0         # past the window: clamped to its speech
+    # A segment whose boundary Whisper put a little before or after the seam stays on its speech.
+    assert w.span_to_file_s(4.6, 9.0, SR) == (40.0, 44.0)
+    assert w.span_to_file_s(1.0, 5.5, SR) == (21.0, 25.0)
+    assert w.span_to_file_s(2.0, 9.0, SR) == (22.0, 44.0)    # one that truly spans both keeps its ends
+
+
+def test_unheard_from_only_when_words_stop_early():
+    pieces = [Piece(0.0, 4.0, [1]), Piece(4.0, 9.0, [2])]
+    assert unheard_from(pieces, 20.0) == 9.0                  # 11 s that only this window hears, unheard
+    assert unheard_from(pieces, 9.5) is None                  # ends with the audio (within the gap)
+    assert unheard_from([], 20.0) is None                     # heard nothing at all: silence or noise
+
+
+def test_cli_names_the_extra_when_silero_vad_is_missing(monkeypatch, tmp_path):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "silero_vad"
+                        else real_find_spec(name, *a))
+    clip = tmp_path / "a.wav"
+    sf.write(clip, np.zeros(SR, np.float32), SR)
+    r = CliRunner().invoke(app, ["transcribe", str(clip), "--strategy", "vad", "--model", "unused"])
+    assert r.exit_code == 2, r.output
+    assert 'pip install "enc2dec[vad]"' in r.output and "Traceback" not in r.output
+
+
+# ---- real tiny.en and Silero VAD ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_llm(real_whisper):
+    from enc2dec.engine import LLM, KvCacheConfig
+
+    with LLM(str(real_whisper.tiny_en), kv_cache_config=KvCacheConfig(cross_kv_cache_fraction=0.5)) as llm:
+        yield llm
+
+
+def _placed(real_whisper, plan):
+    """A wave of silence with clips (manifest rows) placed at the given seconds: (wave, [(start_s, end_s)])."""
+    rows, clips = real_whisper.clips()
+    total_s = max(at + len(clips[k][0]) / SR for k, at in plan) + 2.0
+    wave, spans = np.zeros(int(total_s * SR), np.float32), []
+    for k, at in plan:
+        clip = clips[k][0]
+        wave[int(at * SR):int(at * SR) + len(clip)] = clip
+        spans.append((at, at + len(clip) / SR))
+    return wave, spans, [rows[k]["text"] for k, _ in plan]
+
+
+@pytest.mark.real
+def test_vad_segments_land_on_the_speech_in_the_file(real_whisper, tiny_llm):
+    from enc2dec.engine.whisper.transcribe import transcribe
+
+    # Clip 1 ("he was not an ill disposed young man") after 20 s of silence, clip 4 after 18 s more.
+    wave, spans, refs = _placed(real_whisper, [(1, 20.0), (4, 41.0)])
+    t, = transcribe(tiny_llm, [(wave, SR)], strategy="vad", timestamps=True)
+    assert t.error is None and t.duration_s == pytest.approx(len(wave) / SR)
+    assert "young man" in t.segments[0].text.lower() and "amiable himself" in t.segments[-1].text.lower()
+    for seg in t.segments:      # each segment lies on the clip it transcribes, give or take the pad
+        assert any(a - 1.0 <= seg.start_s < seg.end_s <= b + 1.0 for a, b in spans), (seg, spans)
+    assert t.segments[0].start_s >= 19.0 and t.segments[-1].start_s >= 40.0
+
+
+@pytest.mark.real
+def test_vad_turns_a_minute_of_silence_or_noise_into_no_text(real_whisper, tiny_llm):
+    from enc2dec.engine.whisper.transcribe import transcribe
+
+    silence = np.zeros(60 * SR, np.float32)
+    noise = (0.1 * np.random.default_rng(0).standard_normal(60 * SR)).astype(np.float32)
+    quiet, loud = transcribe(tiny_llm, [(silence, SR), (noise, SR)], strategy="vad", timestamps=True)
+    for t in (quiet, loud):
+        assert t.error is None and t.text == "" and t.segments == [] and t.num_windows == 0
+
+
+@pytest.mark.real
+def test_cli_vad_strategy_writes_the_transcript(real_whisper, tmp_path):
+    wave, _, refs = _placed(real_whisper, [(1, 12.0), (2, 30.0)])
+    path = tmp_path / "gaps.wav"
+    sf.write(path, wave, SR)
+    r = CliRunner().invoke(app, ["transcribe", str(path), "--strategy", "vad", "--model", str(real_whisper.tiny_en),
+                                 "-f", "json", "-o", str(tmp_path / "out"), "--quiet"])
+    assert r.exit_code == 0, r.output
+    assert "(vad," in r.stderr
+    data = json.loads((tmp_path / "out" / "gaps.json").read_text())
+    assert "young man" in data["text"].lower() and "selfish" in data["text"].lower()
+    assert data["segments"][0]["start"] >= 11.0
