@@ -99,8 +99,8 @@ def test_windows_cover_every_piece_once_within_30_s():
 
 def test_words_are_put_in_order_and_segments_span_their_words():
     # Two alignment windows may disagree at their join; a segment without words keeps its times.
-    a = Segment(0.0, 2.0, "One two.", (Word(" One", 0.3, 0.9, 0.9), Word(" two.", 0.9, 2.2, 0.9)))
-    b = Segment(2.0, 3.0, "Three", (Word(" Three", 2.1, 2.8, 0.9),))
+    a = Segment(0.0, 2.0, "One two.", words=(Word(" One", 0.3, 0.9, 0.9), Word(" two.", 0.9, 2.2, 0.9)))
+    b = Segment(2.0, 3.0, "Three", words=(Word(" Three", 2.1, 2.8, 0.9),))
     c = Segment(2.5, 3.5, "...")
     out = monotone([a, b, c])
     assert [(s.start_s, s.end_s) for s in out] == [(0.3, 2.2), (2.2, 2.8), (2.8, 3.5)]
@@ -111,7 +111,7 @@ def test_words_are_put_in_order_and_segments_span_their_words():
 def _transcript():
     words = (Word(" Hello,", 0.5, 0.9, 0.9), Word(" world.", 1.0, 1.52, 0.8))
     return SimpleNamespace(source="a.wav", language="en", duration_s=2.0, text="Hello, world.",
-                           segments=[Segment(0.5, 1.52, "Hello, world.", words), Segment(1.6, 1.9, "Hi")])
+                           segments=[Segment(0.5, 1.52, "Hello, world.", words=words), Segment(1.6, 1.9, "Hi")])
 
 
 def test_json_carries_words_and_srt_vtt_a_cue_per_word():
