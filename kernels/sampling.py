@@ -77,6 +77,33 @@ def _gumbel_race_kernel(scores_ptr, seeded_ptr, fresh_ptr, out_ptr, vocab, num_s
     tl.store(out_ptr + row, winner.to(tl.int64))
 
 
+@lazy_jit.helper
+def _masked_race(base, vocab, row0, row1, shift, floor, pivot_score, pivot, BEFORE: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    # One pass over the row: the mass (exp(score - shift)) of the tokens kept, their race
+    # winner and its score. Kept: BEFORE=False those at or above the top-k ``floor``; BEFORE=True
+    # those ranked before ``pivot`` (score descending, token id ascending on ties).
+    lanes = tl.arange(0, BLOCK)
+    mass = tl.zeros((BLOCK,), tl.float32)
+    best = tl.full((BLOCK,), float("-inf"), tl.float32)
+    best_id = lanes
+    for start in range(0, vocab, BLOCK):
+        tokens = start + lanes
+        s = tl.load(base + tokens, mask=tokens < vocab, other=float("-inf")).to(tl.float32)
+        if BEFORE:
+            keep = (s > pivot_score) | ((s == pivot_score) & (tokens < pivot))
+        else:
+            keep = s >= floor
+        mass += tl.where(keep, tl.exp(s - shift), 0.0)
+        value = tl.where(keep, _race_values(s, tokens, row0, row1), float("-inf"))
+        better = value > best          # strict: an earlier token keeps a tie
+        best = tl.where(better, value, best)
+        best_id = tl.where(better, tokens, best_id)
+    top = tl.max(best, axis=0)
+    winner = tl.min(tl.where(best == top, best_id, vocab), axis=0)
+    return tl.sum(mass, axis=0), winner, tl.load(base + winner).to(tl.float32)
+
+
 @lazy_jit(do_not_specialize=("num_seeded",))
 def _filtered_race_kernel(scores_ptr, floor_ptr, top_p_ptr, min_p_ptr, seeded_ptr, fresh_ptr, out_ptr,
                           vocab, num_seeded, stride_s, stride_seeded, stride_fresh, BLOCK: tl.constexpr):
@@ -103,42 +130,15 @@ def _filtered_race_kernel(scores_ptr, floor_ptr, top_p_ptr, min_p_ptr, seeded_pt
     top = tl.max(lane_max, axis=0)
     shift = tl.where(top > float("-inf"), top, 0.0)      # an all -inf row keeps its scores
     # The top-k set's mass (unnormalised, relative to the most likely) and its race winner.
-    mass = tl.zeros((BLOCK,), tl.float32)
-    best = tl.full((BLOCK,), float("-inf"), tl.float32)
-    best_id = lanes
-    for start in range(0, vocab, BLOCK):
-        tokens = start + lanes
-        s = tl.load(base + tokens, mask=tokens < vocab, other=float("-inf")).to(tl.float32)
-        in_k = s >= floor
-        mass += tl.where(in_k, tl.exp(s - shift), 0.0)
-        value = tl.where(in_k, _race_values(s, tokens, row0, row1), float("-inf"))
-        better = value > best
-        best = tl.where(better, value, best)
-        best_id = tl.where(better, tokens, best_id)
-    total = tl.sum(mass, axis=0)
-    win_value = tl.max(best, axis=0)
-    winner = tl.min(tl.where(best == win_value, best_id, vocab), axis=0)
-    win_score = tl.load(base + winner).to(tl.float32)
+    total, winner, win_score = _masked_race(base, vocab, row0, row1, shift, floor, 0.0, 0, False, BLOCK)
     done = (top == float("-inf")) | ((tl.exp(win_score - shift) >= min_p) & (top_p >= 1.0))
     while not done:
-        mass = tl.zeros((BLOCK,), tl.float32)
-        best = tl.full((BLOCK,), float("-inf"), tl.float32)
-        best_id = lanes
-        for start in range(0, vocab, BLOCK):
-            tokens = start + lanes
-            s = tl.load(base + tokens, mask=tokens < vocab, other=float("-inf")).to(tl.float32)
-            before = (s > win_score) | ((s == win_score) & (tokens < winner))
-            mass += tl.where(before, tl.exp(s - shift), 0.0)
-            value = tl.where(before, _race_values(s, tokens, row0, row1), float("-inf"))
-            better = value > best
-            best = tl.where(better, value, best)
-            best_id = tl.where(better, tokens, best_id)
-        kept = (tl.exp(win_score - shift) >= min_p) & ((top_p >= 1.0) | (tl.sum(mass, axis=0) < top_p * total))
+        before, next_winner, next_score = _masked_race(base, vocab, row0, row1, shift, floor, win_score, winner,
+                                                       True, BLOCK)
+        kept = (tl.exp(win_score - shift) >= min_p) & ((top_p >= 1.0) | (before < top_p * total))
         done = kept
         if not kept:
-            win_value = tl.max(best, axis=0)
-            winner = tl.min(tl.where(best == win_value, best_id, vocab), axis=0)
-            win_score = tl.load(base + winner).to(tl.float32)
+            winner, win_score = next_winner, next_score
     tl.store(out_ptr + row, winner.to(tl.int64))
 
 
