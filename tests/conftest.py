@@ -107,3 +107,12 @@ def real_whisper() -> RealWhisper:
     paths = dict(line.split("\t", 1) for line in out.splitlines() if "\t" in line)
     found = {key: Path(paths[name]) for key, name in REAL_ARTIFACTS.items() if name in paths}
     return RealWhisper(found, f"{REAL_MODELS_SCRIPT.name} did not report it")
+
+
+@pytest.fixture(scope="module")
+def real_tiny_llm(real_whisper):
+    """An LLM on the real whisper-tiny.en checkpoint (one per test module)."""
+    from enc2dec.engine import LLM, KvCacheConfig
+
+    with LLM(str(real_whisper.tiny_en), kv_cache_config=KvCacheConfig(cross_kv_cache_fraction=0.5)) as llm:
+        yield llm

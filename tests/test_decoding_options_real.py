@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import soundfile as sf
 from enc2dec.cli.main import app
-from enc2dec.engine import LLM, KvCacheConfig
 from enc2dec.engine.whisper.decoding import compression_ratio
 from enc2dec.engine.whisper.transcribe import transcribe
 from typer.testing import CliRunner
@@ -22,32 +21,26 @@ NAME_CLIP = "sense_and_sensibility_01_austen_64kb-0870.wav"    # "and mister joh
 SPELLING_PROMPT = "John Dashwode."
 
 
-@pytest.fixture(scope="module")
-def tiny_llm(real_whisper):
-    with LLM(str(real_whisper.tiny_en), kv_cache_config=KvCacheConfig(cross_kv_cache_fraction=0.5)) as llm:
-        yield llm
-
-
 def _wave(real, name):
     wave, rate = sf.read(str(real.manifest.parent / name), dtype="float32")
     assert rate == 16000
     return wave
 
 
-def test_fallback_fires_on_a_repeating_window_and_keeps_the_retried_text(real_whisper, tiny_llm):
+def test_fallback_fires_on_a_repeating_window_and_keeps_the_retried_text(real_whisper, real_tiny_llm):
     # "go forward ten meters" eight times in 22 s: greedy decoding loops on it past the audio.
     repeated = (np.tile(_wave(real_whisper, "goforward.wav"), 8), 16000)
-    (greedy,) = transcribe(tiny_llm, [repeated], temperature=0.0)
+    (greedy,) = transcribe(real_tiny_llm, [repeated], temperature=0.0)
     assert greedy.num_windows == 1 and compression_ratio(greedy.text) > 2.4
-    (fallback,) = transcribe(tiny_llm, [repeated], temperature=(0.0, 1.0), best_of=2)
-    (hot,) = transcribe(tiny_llm, [repeated], temperature=1.0, best_of=2)     # the retry alone, same seed
+    (fallback,) = transcribe(real_tiny_llm, [repeated], temperature=(0.0, 1.0), best_of=2)
+    (hot,) = transcribe(real_tiny_llm, [repeated], temperature=1.0, best_of=2)     # the retry alone, same seed
     assert fallback.num_windows == 2                       # the retry was one more engine request
     assert fallback.text == hot.text and fallback.text != greedy.text
 
 
-def test_an_initial_prompt_changes_the_spelling_of_a_name(real_whisper, tiny_llm):
+def test_an_initial_prompt_changes_the_spelling_of_a_name(real_whisper, real_tiny_llm):
     clip = str(real_whisper.manifest.parent / NAME_CLIP)
-    plain, prompted = transcribe(tiny_llm, [clip]), transcribe(tiny_llm, [clip], initial_prompt=SPELLING_PROMPT)
+    plain, prompted = transcribe(real_tiny_llm, [clip]), transcribe(real_tiny_llm, [clip], initial_prompt=SPELLING_PROMPT)
     assert "Dashwood" in plain[0].text and "Dashwode" not in plain[0].text
     assert "Dashwode" in prompted[0].text and "Dashwood" not in prompted[0].text
     # The prompt is hidden decoder context, never output.
@@ -67,17 +60,17 @@ def _hf_no_speech(real, wave, decoder_ids):
     return logits.float().softmax(-1)[proc.tokenizer.convert_tokens_to_ids("<|nocaptions|>")].item()
 
 
-def test_no_speech_prob_is_high_on_silence_low_on_speech_and_equals_transformers(real_whisper, tiny_llm):
+def test_no_speech_prob_is_high_on_silence_low_on_speech_and_equals_transformers(real_whisper, real_tiny_llm):
     speech = _wave(real_whisper, NAME_CLIP)
     silence = np.zeros(5 * 16000, np.float32)
-    quiet, spoken, prompted = transcribe(tiny_llm, [(silence, 16000), (speech, 16000), (speech, 16000)][:2],
+    quiet, spoken, prompted = transcribe(real_tiny_llm, [(silence, 16000), (speech, 16000), (speech, 16000)][:2],
                                          timestamps=True, strategy="sequential") + \
-        transcribe(tiny_llm, [(speech, 16000)], timestamps=True, strategy="sequential",
+        transcribe(real_tiny_llm, [(speech, 16000)], timestamps=True, strategy="sequential",
                    initial_prompt=SPELLING_PROMPT)
     assert all(s.no_speech_prob > 0.9 for s in quiet.segments)
     assert spoken.segments and all(s.no_speech_prob < 0.1 for s in spoken.segments)
     assert all(s.avg_logprob < 0 and s.compression_ratio > 0 for s in spoken.segments)
-    tok = tiny_llm.tokenizer
+    tok = real_tiny_llm.tokenizer
     sot, prev = tok.convert_tokens_to_ids("<|startoftranscript|>"), tok.convert_tokens_to_ids("<|startofprev|>")
     # [SOT] alone is the step's last token; after a prompt it is an inner one of the prefill.
     assert spoken.segments[0].no_speech_prob == pytest.approx(_hf_no_speech(real_whisper, speech, [sot]), abs=1e-3)
@@ -86,23 +79,23 @@ def test_no_speech_prob_is_high_on_silence_low_on_speech_and_equals_transformers
         _hf_no_speech(real_whisper, speech, prompt_ids), abs=1e-3)
 
 
-def test_the_no_speech_rule_skips_silence_and_keeps_speech(real_whisper, tiny_llm):
+def test_the_no_speech_rule_skips_silence_and_keeps_speech(real_whisper, real_tiny_llm):
     speech = (_wave(real_whisper, NAME_CLIP), 16000)
     silence = (np.zeros(5 * 16000, np.float32), 16000)
     # Silence decodes to a fairly confident "you": the original rule skips a window only when its
     # text is also unlikely; at a log-prob threshold of 0 every window is, so no_speech_prob decides.
-    kept = transcribe(tiny_llm, [silence], no_speech_threshold=None)
-    quiet, spoken = transcribe(tiny_llm, [silence, speech], logprob_threshold=0.0)
+    kept = transcribe(real_tiny_llm, [silence], no_speech_threshold=None)
+    quiet, spoken = transcribe(real_tiny_llm, [silence, speech], logprob_threshold=0.0)
     assert kept[0].text and quiet.text == "" and quiet.error is None
     assert "Dashwood" in spoken.text
 
 
-def test_library_refuses_options_it_cannot_honour(real_whisper, tiny_llm):
+def test_library_refuses_options_it_cannot_honour(real_whisper, real_tiny_llm):
     clip = str(real_whisper.manifest.parent / NAME_CLIP)
     with pytest.raises(ValueError, match="condition_on_previous_text needs strategy 'sequential'"):
-        transcribe(tiny_llm, [clip], condition_on_previous_text=True)
+        transcribe(real_tiny_llm, [clip], condition_on_previous_text=True)
     with pytest.raises(ValueError, match="temperature must be a number >= 0"):
-        transcribe(tiny_llm, [clip], temperature=(0.0, -0.5))
+        transcribe(real_tiny_llm, [clip], temperature=(0.0, -0.5))
 
 
 def _cli(*args):
@@ -136,38 +129,38 @@ def test_cli_bad_decoding_options_are_usage_errors(real_whisper, args, needle):
     assert r.exit_code == 2 and needle in r.stderr, r.output
 
 
-def test_condition_on_previous_text_carries_the_prompt_into_the_next_window(real_whisper, tiny_llm):
+def test_condition_on_previous_text_carries_the_prompt_into_the_next_window(real_whisper, real_tiny_llm):
     # 36 s of other speech, then the name: the name is heard in the second sequential window.
     names = ["0880", "0890", "0920", "0930", "0880", "0890", "0920"]
     gap = np.zeros(8000, np.float32)
     parts = [np.concatenate([_wave(real_whisper, f"sense_and_sensibility_01_austen_64kb-{n}.wav"), gap])
              for n in names]
     wave = (np.concatenate(parts + [_wave(real_whisper, NAME_CLIP)]), 16000)
-    alone, carried = (transcribe(tiny_llm, [wave], strategy="sequential", initial_prompt=SPELLING_PROMPT,
+    alone, carried = (transcribe(real_tiny_llm, [wave], strategy="sequential", initial_prompt=SPELLING_PROMPT,
                                  condition_on_previous_text=on)[0] for on in (False, True))
     assert alone.num_windows == carried.num_windows == 2
     # Without conditioning only the first window sees the initial prompt.
     assert "Dashwood" in alone.text and "Dashwode" in carried.text
 
 
-def test_a_prefix_starts_the_transcript_with_and_without_timestamps(real_whisper, tiny_llm):
+def test_a_prefix_starts_the_transcript_with_and_without_timestamps(real_whisper, real_tiny_llm):
     clip = str(real_whisper.manifest.parent / NAME_CLIP)
     prefix = "And Mister John"          # the audio says "and mister john"; unprompted tiny.en writes "Mr."
-    (plain,) = transcribe(tiny_llm, [clip])
-    (flat,) = transcribe(tiny_llm, [clip], prefix=prefix)
-    (timed,) = transcribe(tiny_llm, [clip], prefix=prefix, timestamps=True, strategy="sequential")
+    (plain,) = transcribe(real_tiny_llm, [clip])
+    (flat,) = transcribe(real_tiny_llm, [clip], prefix=prefix)
+    (timed,) = transcribe(real_tiny_llm, [clip], prefix=prefix, timestamps=True, strategy="sequential")
     assert "Mr. John" in plain.text and flat.text.startswith(prefix + " Dashwood")
     # With timestamps the prefix opens the first segment at 0.0 and decoding continues it.
     assert timed.text == flat.text and timed.segments[0].start_s == 0.0
     assert timed.segments[0].text.startswith(prefix + " Dashwood") and len(timed.segments) >= 2
 
 
-def test_hotwords_prompt_like_an_initial_prompt_unless_a_prefix_is_given(real_whisper, tiny_llm):
+def test_hotwords_prompt_like_an_initial_prompt_unless_a_prefix_is_given(real_whisper, real_tiny_llm):
     clip = str(real_whisper.manifest.parent / NAME_CLIP)
-    (hot,) = transcribe(tiny_llm, [clip], hotwords=SPELLING_PROMPT)
-    (prompted,) = transcribe(tiny_llm, [clip], initial_prompt=SPELLING_PROMPT)
+    (hot,) = transcribe(real_tiny_llm, [clip], hotwords=SPELLING_PROMPT)
+    (prompted,) = transcribe(real_tiny_llm, [clip], initial_prompt=SPELLING_PROMPT)
     assert hot.text == prompted.text and "Dashwode" in hot.text      # the same <|startofprev|> prompt
     # faster-whisper's rule: with a prefix the hotwords are left out.
-    (prefixed,) = transcribe(tiny_llm, [clip], prefix="And Mister John")
-    (both,) = transcribe(tiny_llm, [clip], prefix="And Mister John", hotwords=SPELLING_PROMPT)
+    (prefixed,) = transcribe(real_tiny_llm, [clip], prefix="And Mister John")
+    (both,) = transcribe(real_tiny_llm, [clip], prefix="And Mister John", hotwords=SPELLING_PROMPT)
     assert both.text == prefixed.text and "Dashwood" in both.text

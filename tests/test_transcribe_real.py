@@ -44,12 +44,6 @@ def base_llm(real_whisper):
 
 
 @pytest.fixture(scope="module")
-def tiny_llm(real_whisper):
-    with LLM(str(real_whisper.tiny_en), kv_cache_config=KvCacheConfig(cross_kv_cache_fraction=0.5)) as llm:
-        yield llm
-
-
-@pytest.fixture(scope="module")
 def joined(real_whisper, tmp_path_factory):
     """Every clip twice, 0.8 s of silence after each: 64.6 s, with the references in order."""
     parts, refs = [], []
@@ -74,7 +68,7 @@ def test_each_clip_equals_transformers_greedy(real_whisper, name, request):
     from transformers import AutoTokenizer, WhisperFeatureExtractor
 
     ckpt = getattr(real_whisper, name)
-    llm = request.getfixturevalue("tiny_llm" if name == "tiny_en" else "base_llm")
+    llm = request.getfixturevalue("real_tiny_llm" if name == "tiny_en" else "base_llm")
     rows = _rows(real_whisper)
     files = [str(real_whisper.manifest.parent / r["audio"]) for r in rows]
     results = transcribe(llm, files)        # base: the language is detected
@@ -88,18 +82,18 @@ def test_each_clip_equals_transformers_greedy(real_whisper, name, request):
         assert t.text == ref, row["audio"]
 
 
-def test_timestamp_tokens_equal_transformers(real_whisper, tiny_llm):
+def test_timestamp_tokens_equal_transformers(real_whisper, real_tiny_llm):
     """The timestamp rules as a logits processor give transformers' return_timestamps tokens."""
     from transformers import WhisperFeatureExtractor
 
     hf = hf_whisper(real_whisper.tiny_en)
     hf.generation_config.max_initial_timestamp_index = 50
     fe = WhisperFeatureExtractor.from_pretrained(real_whisper.tiny_en)
-    tok = engine_whisper_info(tiny_llm)[0]
+    tok = engine_whisper_info(real_tiny_llm)[0]
     rules = TimestampRules(0, tok.eot, tok.no_timestamps, tok.timestamp_begin, 50)
     for row in _rows(real_whisper)[:3]:
         wave = _clip(real_whisper, row)
-        out = tiny_llm.generate({"prompt": "<|startoftranscript|>", "multi_modal_data": {"audio": [(wave, 16000)]}},
+        out = real_tiny_llm.generate({"prompt": "<|startoftranscript|>", "multi_modal_data": {"audio": [(wave, 16000)]}},
                                 SamplingParams(max_tokens=100, temperature=0.0, logits_processors=[rules]))
         feats = fe(wave, sampling_rate=16000, return_tensors="pt").input_features
         ref = hf.generate(feats, return_timestamps=True).tolist()[0]
@@ -127,7 +121,7 @@ def test_long_audio_wer_and_segments(real_whisper, base_llm, joined, strategy):
     assert len(t.segments) >= 10 and all(s.text for s in t.segments)
 
 
-def test_44k_stereo_equals_16k_mono(real_whisper, tiny_llm, tmp_path):
+def test_44k_stereo_equals_16k_mono(real_whisper, real_tiny_llm, tmp_path):
     import soxr
 
     row = _rows(real_whisper)[0]
@@ -136,7 +130,7 @@ def test_44k_stereo_equals_16k_mono(real_whisper, tiny_llm, tmp_path):
     path = tmp_path / "stereo44k.flac"
     sf.write(path, np.stack([hi, hi], axis=1), 44100)
     assert sf.info(str(path)).channels == 2 and sf.info(str(path)).samplerate == 44100
-    a, b = transcribe(tiny_llm, [str(real_whisper.manifest.parent / row["audio"]), str(path)])
+    a, b = transcribe(real_tiny_llm, [str(real_whisper.manifest.parent / row["audio"]), str(path)])
     assert a.error is None and b.error is None and a.text == b.text and a.text
 
 

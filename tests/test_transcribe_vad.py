@@ -62,14 +62,6 @@ def test_cli_names_the_extra_when_silero_vad_is_missing(monkeypatch, tmp_path):
 
 
 # ---- real tiny.en and Silero VAD ------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny_llm(real_whisper):
-    from enc2dec.engine import LLM, KvCacheConfig
-
-    with LLM(str(real_whisper.tiny_en), kv_cache_config=KvCacheConfig(cross_kv_cache_fraction=0.5)) as llm:
-        yield llm
-
-
 def _placed(real_whisper, plan):
     """A wave of silence with clips (manifest rows) placed at the given seconds: (wave, [(start_s, end_s)])."""
     rows, clips = real_whisper.clips()
@@ -83,12 +75,12 @@ def _placed(real_whisper, plan):
 
 
 @pytest.mark.real
-def test_vad_segments_land_on_the_speech_in_the_file(real_whisper, tiny_llm):
+def test_vad_segments_land_on_the_speech_in_the_file(real_whisper, real_tiny_llm):
     from enc2dec.engine.whisper.transcribe import transcribe
 
     # Clip 1 ("he was not an ill disposed young man") after 20 s of silence, clip 4 after 18 s more.
     wave, spans, refs = _placed(real_whisper, [(1, 20.0), (4, 41.0)])
-    t, = transcribe(tiny_llm, [(wave, SR)], strategy="vad", timestamps=True)
+    t, = transcribe(real_tiny_llm, [(wave, SR)], strategy="vad", timestamps=True)
     assert t.error is None and t.duration_s == pytest.approx(len(wave) / SR)
     assert "young man" in t.segments[0].text.lower() and "amiable himself" in t.segments[-1].text.lower()
     for seg in t.segments:      # each segment lies on the clip it transcribes, give or take the pad
@@ -97,12 +89,12 @@ def test_vad_segments_land_on_the_speech_in_the_file(real_whisper, tiny_llm):
 
 
 @pytest.mark.real
-def test_vad_turns_a_minute_of_silence_or_noise_into_no_text(real_whisper, tiny_llm):
+def test_vad_turns_a_minute_of_silence_or_noise_into_no_text(real_whisper, real_tiny_llm):
     from enc2dec.engine.whisper.transcribe import transcribe
 
     silence = np.zeros(60 * SR, np.float32)
     noise = (0.1 * np.random.default_rng(0).standard_normal(60 * SR)).astype(np.float32)
-    quiet, loud = transcribe(tiny_llm, [(silence, SR), (noise, SR)], strategy="vad", timestamps=True)
+    quiet, loud = transcribe(real_tiny_llm, [(silence, SR), (noise, SR)], strategy="vad", timestamps=True)
     for t in (quiet, loud):
         assert t.error is None and t.text == "" and t.segments == [] and t.num_windows == 0
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 from enc2dec.cli.main import app
-from enc2dec.engine import LLM, KvCacheConfig
+from enc2dec.engine import KvCacheConfig
 from enc2dec.engine.whisper.transcribe import transcribe
 from typer.testing import CliRunner
 
@@ -33,20 +33,14 @@ def _check_script():
 
 
 @pytest.fixture(scope="module")
-def tiny_llm(real_whisper):
-    with LLM(str(real_whisper.tiny_en), kv_cache_config=KvCacheConfig(cross_kv_cache_fraction=0.5)) as llm:
-        yield llm
-
-
-@pytest.fixture(scope="module")
 def clips(real_whisper):
     rows = [json.loads(line) for line in open(real_whisper.manifest) if line.strip()]
     return [str(real_whisper.manifest.parent / r["audio"]) for r in rows][:4]
 
 
 @pytest.fixture(scope="module")
-def ours(tiny_llm, clips):
-    return transcribe(tiny_llm, clips, word_timestamps=True)
+def ours(real_tiny_llm, clips):
+    return transcribe(real_tiny_llm, clips, word_timestamps=True)
 
 
 def _assert_well_formed(t):
@@ -69,12 +63,12 @@ def test_words_are_in_order_inside_their_segments_and_spell_the_text(ours):
 
 
 @pytest.mark.parametrize("strategy", ["chunked", "sequential"])
-def test_long_audio_words_stay_in_order_across_windows(tiny_llm, clips, tmp_path, strategy):
+def test_long_audio_words_stay_in_order_across_windows(real_tiny_llm, clips, tmp_path, strategy):
     waves = [sf.read(c, dtype="float32")[0] for c in clips]
     gap = np.zeros(8000, np.float32)
     path = tmp_path / "long.wav"
     sf.write(path, np.concatenate([x for w in waves * 3 for x in (w, gap)]), 16000)
-    (t,) = transcribe(tiny_llm, [str(path)], word_timestamps=True, strategy=strategy)
+    (t,) = transcribe(real_tiny_llm, [str(path)], word_timestamps=True, strategy=strategy)
     assert t.duration_s > 45
     _assert_well_formed(t)
     assert t.segments[-1].words[-1].end_s > t.duration_s - 5          # words reach the last window
