@@ -142,6 +142,7 @@ TUNING_ENV = {
     "fused_gemv": "ENC2DEC_FUSED_GEMV",
     "attn_min_keys_per_split": "ENC2DEC_ATTN_MIN_KEYS_PER_SPLIT",
     "tp_timeout_s": "ENC2DEC_TP_TIMEOUT_S",
+    "encoder_tokens_while_decoding": "ENC2DEC_ENCODER_TOKENS_WHILE_DECODING",
 }
 
 
@@ -154,6 +155,11 @@ class TuningConfig:
     fused_gemv: bool = True               # pre-norms, MLP activations and K/V stores ride in that GEMV
     attn_min_keys_per_split: int = 32     # fewest keys a split-K paged-attention program gets
     tp_timeout_s: float = 600.0           # longest wait of a tensor-parallel collective or worker start-up
+    # Encoder positions admitted in a step that also decodes running sequences: one full-length
+    # encoder input by default (0 = max_input_len: one Whisper clip), so admitting requests costs
+    # the running ones at most about one encoder pass of latency per step. Raise it to
+    # encoder_max_num_tokens to admit as much as fits (faster fill, spikier inter-token latency).
+    encoder_tokens_while_decoding: int = 0
 
     def __post_init__(self):
         o = "tuning"
@@ -161,6 +167,7 @@ class TuningConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{o}.{name} must be true or false, got {getattr(self, name)!r}")
         _check_positive_int(o, "attn_min_keys_per_split", self.attn_min_keys_per_split)
+        _check_positive_int(o, "encoder_tokens_while_decoding", self.encoder_tokens_while_decoding, allow_zero=True)
         t = self.tp_timeout_s
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0:
             raise ValueError(f"{o}.tp_timeout_s must be a number of seconds > 0, got {t!r}")

@@ -140,7 +140,8 @@ class EngineCore:
             max_num_tokens=args.max_num_tokens,
             encoder_max_batch_size=args.encoder_max_batch_size or args.max_batch_size,
             encoder_max_num_tokens=args.encoder_max_num_tokens or args.max_num_tokens,
-            tokens_per_block=args.kv_cache_config.tokens_per_block)
+            tokens_per_block=args.kv_cache_config.tokens_per_block,
+            encoder_max_num_tokens_while_decoding=args.tuning.encoder_tokens_while_decoding or max_input_len)
         if max_input_len > min(self.limits.encoder_max_num_tokens, self.limits.max_num_tokens):
             raise ValueError(f"max_input_len={max_input_len} exceeds the per-step encoder token budget "
                              f"(encoder_max_num_tokens={self.limits.encoder_max_num_tokens}, max_num_tokens="

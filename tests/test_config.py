@@ -124,6 +124,7 @@ def test_config_import_does_not_pull_torch():
     ({"backend": "_autodeploy"}, "backend='_autodeploy' is not supported; valid: pytorch"),
     ({"tuning": {"attn_min_keys_per_split": 0}}, "tuning.attn_min_keys_per_split must be an integer >= 1"),
     ({"tuning": {"tp_timeout_s": -1}}, "tuning.tp_timeout_s must be a number of seconds > 0"),
+    ({"tuning": {"encoder_tokens_while_decoding": -1}}, "tuning.encoder_tokens_while_decoding must be an integer >= 0"),
     ({"tuning": {"fused_gemv": "no"}}, "tuning.fused_gemv must be true or false"),
     ({"tuning": {"fused_gemm": False}}, "unknown tuning key 'fused_gemm'.*'fused_gemv'"),
     ({"trust_remote_code": "yes"}, "trust_remote_code must be true or false"),
@@ -145,8 +146,10 @@ def test_tuning_from_yaml_and_env_overrides_land_in_the_args(tmp_path, monkeypat
     monkeypatch.setenv("ENC2DEC_SKINNY_GEMM", "0")
     monkeypatch.setenv("ENC2DEC_TP_TIMEOUT_S", "30")
     tuning = dataclasses.asdict(LlmArgs.from_yaml(str(path)))["tuning"]     # what reports record
+    monkeypatch.setenv("ENC2DEC_ENCODER_TOKENS_WHILE_DECODING", "3000")
+    tuning = dataclasses.asdict(LlmArgs.from_yaml(str(path)))["tuning"]     # what reports record
     assert tuning == {"skinny_gemm": False, "fused_gemv": False, "attn_min_keys_per_split": 256,
-                      "tp_timeout_s": 30.0}
+                      "tp_timeout_s": 30.0, "encoder_tokens_while_decoding": 3000}
     monkeypatch.setenv("ENC2DEC_FUSED_GEMV", "off")
     with pytest.raises(ValueError, match=r"ENC2DEC_FUSED_GEMV='off' \(tuning.fused_gemv\) is not valid"):
         LlmArgs()
@@ -213,4 +216,5 @@ def test_bench_report_records_the_tuning_in_effect(tmp_path, monkeypatch):
                                  "--input-len", "4", "--output-len", "2", "--report-json", str(out)])
     assert r.exit_code == 0, r.output
     assert json.loads(out.read_text())["engine_args"]["tuning"] == {
-        "skinny_gemm": True, "fused_gemv": False, "attn_min_keys_per_split": 64, "tp_timeout_s": 600.0}
+        "skinny_gemm": True, "fused_gemv": False, "attn_min_keys_per_split": 64, "tp_timeout_s": 600.0,
+        "encoder_tokens_while_decoding": 0}

@@ -74,9 +74,10 @@ def make_request(rid: str, encoder_len: int, max_output_tokens: int, n: int = 1,
 
 
 def limits(max_batch_size=BIG, max_num_tokens=BIG, encoder_max_batch_size=BIG,
-           encoder_max_num_tokens=BIG, tokens_per_block=4) -> SchedulerLimits:
+           encoder_max_num_tokens=BIG, tokens_per_block=4, encoder_max_num_tokens_while_decoding=0) -> SchedulerLimits:
     return SchedulerLimits(max_batch_size, max_num_tokens, encoder_max_batch_size,
-                           encoder_max_num_tokens, tokens_per_block)
+                           encoder_max_num_tokens, tokens_per_block,
+                           encoder_max_num_tokens_while_decoding=encoder_max_num_tokens_while_decoding)
 
 
 def check_blocks(sched: Scheduler) -> None:
@@ -187,6 +188,33 @@ def test_admission_limits_hold_and_bind():
     assert max(len(o.seqs) for o in outputs) == 6
     assert any(o.encodes and len(o.seqs) > sum(len(e.seq_ids) for e in o.encodes) for o in outputs), \
         "steps must mix new encodes with ongoing decodes"
+
+
+def test_steps_that_decode_encode_at_most_their_encoder_budget():
+    # Whisper-like: every request is 30 encoder positions; a step that decodes encodes <= 35 of them.
+    sched = Scheduler(limits(encoder_max_batch_size=4, encoder_max_num_tokens_while_decoding=35), 500, 500)
+    model = PagedFakeModel(500, 500, 4)
+    for i in range(6):
+        sched.add_request(make_request(f"w{i}", 30, 6, ignore_eos=True))
+    so = sched.schedule()
+    assert len(so.encodes) == 4, "nothing decodes yet: the full encoder microbatch is admitted"
+    sched.update(so, model.execute(so))
+    encodes_per_step = []
+    while sched.has_unfinished_requests():
+        so = sched.schedule()
+        if so.seqs and len(so.seqs) > len(so.encodes):
+            assert so.num_encoder_tokens <= 35
+        encodes_per_step.append(len(so.encodes))
+        sched.update(so, model.execute(so))
+    assert encodes_per_step[:2] == [1, 1], "one clip per decoding step, and the queue still drains"
+    # A request larger than the budget is still admitted, alone, so none waits for ever.
+    sched = Scheduler(limits(encoder_max_num_tokens_while_decoding=10), 500, 500)
+    sched.add_request(make_request("a", 30, 8, ignore_eos=True))
+    sched.update(so := sched.schedule(), model.execute(so))
+    sched.add_request(make_request("b", 30, 8, ignore_eos=True))
+    sched.add_request(make_request("c", 30, 8, ignore_eos=True))
+    so = sched.schedule()
+    assert [e.request_id for e in so.encodes] == ["b"] and len(so.seqs) == 2
 
 
 def test_token_budget_counts_encoder_and_decoder_tokens():

@@ -23,11 +23,16 @@ class SchedulerLimits:
     # replay a CUDA graph (a Whisper prompt is 4 tokens; BART's start + forced BOS is 2). The
     # samples after the inner prompt tokens are dropped.
     feed_prompt_one_token_per_step: bool = False
+    # Encoder positions a step may encode while it also decodes running sequences (0: no bound
+    # beyond encoder_max_num_tokens). Every running sequence waits for that step, so this bounds
+    # what one admission costs their inter-token latency; the first request of a step is always
+    # admitted, so nothing starves.
+    encoder_max_num_tokens_while_decoding: int = 0
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, bool):
+            if isinstance(value, bool) or f.name == "encoder_max_num_tokens_while_decoding" and value == 0:
                 continue
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{f.name} must be a positive integer, got {value!r}")

@@ -204,7 +204,11 @@ class Scheduler(BeamScheduling):
         self.waiting.appendleft(req)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: _StepBudget) -> None:
+        # Bound the encoder work of a step that running sequences also wait on (their ITL).
+        cap = self.limits.encoder_max_num_tokens_while_decoding if budget.num_seqs else 0
         while self.waiting and self._can_admit(self.waiting[0], budget):
+            if cap and budget.num_encodes and budget.num_encoder_tokens + self.waiting[0].encoder_len > cap:
+                break
             self._admit(self.waiting.popleft(), out, budget)
 
     def _can_admit(self, req: Request, budget: _StepBudget) -> bool:
