@@ -8,6 +8,9 @@
 #   fast     whisper-large-v3-turbo at C=64 and flan-t5-base at C=256, each against hf-compile
 #   fp8      whisper-large-v3 (and flan-t5-large) at C=64 with --kv-cache-dtype fp8, against the
 #            same runs with bf16 KV (wh-plain, t5-greedy: run those sections in the same call)
+#   itl      the encoder budget of decoding steps (tuning.encoder_tokens_while_decoding): whisper-large-v3
+#            C=64 and bart-large-cnn 384/128 C=128, each with the default budget and with the old
+#            unbounded admission (the variable at 8192): ITL p50 / p99 and out tok/s side by side
 # Every compared run has the same workload flags; dummy weights, bf16, one run each.
 #
 #   OUT=./gpu-out bash bench/scripts/real_workloads.sh [sampled whisper serve fast]
@@ -45,10 +48,12 @@ if [ -n "${COMMIT:-}" ]; then echo "$COMMIT"; else
 
 if [ -n "${SMOKE:-}" ]; then       # CPU: tiny models, a few short requests
   T5L=google/flan-t5-small T5B=google/flan-t5-small WH=openai/whisper-tiny WHT=openai/whisper-tiny
+  BART=facebook/bart-large-cnn CBART=4 BTXT="--input-len 16 --output-len 8"
   DT=float32 C=4 CB=8 MIX=4 TXT="--input-len 16 --output-len 8" AUD="--audio-seconds 2 --output-len 6"
   NUM=8 NUMB=8 FASTBASE=hf LIMIT=${LIMIT_S:-300}
 else
   T5L=google/flan-t5-large T5B=google/flan-t5-base WH=openai/whisper-large-v3 WHT=openai/whisper-large-v3-turbo
+  BART=facebook/bart-large-cnn CBART=128 BTXT="--input-len 384 --output-len 128"
   DT=bfloat16 C=64 CB=256 MIX=64 TXT="--input-len 128 --output-len 128" AUD="--audio-seconds 30 --output-len 96"
   NUM=${NUM_REQUESTS:-128} NUMB=${NUM_REQUESTS_BIG:-256} FASTBASE=hf-compile LIMIT=${LIMIT_S:-90}
 fi
@@ -59,13 +64,14 @@ T5RUN="--model $T5L $COMMON $TXT --concurrency $C --num-requests $NUM"
 WHRUN="--model $WH $COMMON $AUD --concurrency $C --num-requests $NUM"
 
 left() { echo $((TOTAL_S - SECONDS)); }
-run() {  # run NAME LIMIT ARGS...: one enc2dec bench, skipped when the budget is spent
+run() {  # run NAME LIMIT ARGS...: one enc2dec bench, skipped when the budget is spent (ENV: "VAR=v" for this run)
   local name=$1 limit=$2 t0=$SECONDS; shift 2
+  local env=${RUN_ENV:-}
   local budget=$(left)
   if [ "$budget" -lt 20 ]; then echo "$name: skipped (budget spent)"; echo "$name" >>"$WORK/skipped.txt"; return; fi
   [ "$limit" -gt "$budget" ] && limit=$budget
-  echo "enc2dec bench $* --report-json $name.json" >>"$WORK/commands.txt"
-  timeout "$limit" $B "$@" --report-json "$WORK/$name.json" >"$WORK/$name.log" 2>&1
+  echo "${env:+$env }enc2dec bench $* --report-json $name.json" >>"$WORK/commands.txt"
+  env $env timeout "$limit" $B "$@" --report-json "$WORK/$name.json" >"$WORK/$name.log" 2>&1
   echo "$name: exit $? after $((SECONDS - t0)) s"
 }
 
@@ -119,6 +125,12 @@ for section in $SECTIONS; do
   fp8)
     run wh-fp8 $LIMIT $WHRUN --kv-cache-dtype fp8
     run t5-fp8 $LIMIT $T5RUN --kv-cache-dtype fp8 ;;
+  itl)
+    BARTRUN="--model $BART ${COMMON/--max-batch-size $C/--max-batch-size $CBART} $BTXT --concurrency $CBART --num-requests $NUMB"
+    RUN_ENV=ENC2DEC_ENCODER_TOKENS_WHILE_DECODING=8192 run wh-unbounded $LIMIT $WHRUN
+    run wh-budget $LIMIT $WHRUN
+    RUN_ENV=ENC2DEC_ENCODER_TOKENS_WHILE_DECODING=8192 run bart-unbounded $LIMIT $BARTRUN
+    run bart-budget $LIMIT $BARTRUN ;;
   fast)
     run turbo-hfc ${FAST_LIMIT_S:-$((LIMIT * 2))} --model $WHT $COMMON $AUD --concurrency $C --num-requests $NUM \
         --baseline $FASTBASE
@@ -144,11 +156,12 @@ def level(name, backend=None, conc=None):
 def num(v, fmt="{:,.0f}"):
     return "-" if v is None else fmt.format(v)
 
-print(f"\n{'run':<14}{'backend':<12}{'C':>4}{'out tok/s':>11}{'TPOT ms':>9}{'TTFT ms':>9}{'fail':>5}")
+print(f"\n{'run':<15}{'backend':<12}{'C':>4}{'out tok/s':>11}{'TPOT ms':>9}{'TTFT ms':>9}{'ITL p50/p99':>14}{'fail':>5}")
 for p in sorted(work.glob("*.json")):
     for lv in json.loads(p.read_text())["levels"]:
-        print(f"{p.stem:<14}{lv['backend']:<12}{lv['concurrency']:>4}{num(lv['out_tok_per_s']):>11}"
-              f"{num(lv['mean_tpot_ms'], '{:.2f}'):>9}{num(lv['mean_ttft_ms'], '{:.0f}'):>9}{lv['failed']:>5}")
+        itl = f"{num(lv.get('p50_itl_ms'), '{:.1f}')}/{num(lv.get('p99_itl_ms'), '{:.1f}')}"
+        print(f"{p.stem:<15}{lv['backend']:<12}{lv['concurrency']:>4}{num(lv['out_tok_per_s']):>11}"
+              f"{num(lv['mean_tpot_ms'], '{:.2f}'):>9}{num(lv['mean_ttft_ms'], '{:.0f}'):>9}{itl:>14}{lv['failed']:>5}")
 for name in sorted(skipped):
     print(f"{name:<14}skipped: the call's time budget was spent")
 
