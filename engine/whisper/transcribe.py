@@ -176,13 +176,8 @@ class _Run:
                 return self._done(t, duration)
             finally:
                 self._started.discard(id(t))
-                windows = self._file_stats.pop(id(t), [])
-                by_piece = self._piece_stats.pop(id(t), {})
-            # monotonic() makes new pieces in the same order; the window stats follow by position.
-            # A file of one window (any strategy) has its segments from that window alone.
-            alone = windows[0] if len(windows) == 1 else WindowStats()
-            stats = [by_piece.get(id(p), alone) for p in raw]
             pieces = monotonic(raw, t.duration_s)
+            stats = [p.stats or WindowStats() for p in pieces]
             t.text = self._text([tok for p in pieces for tok in p.token_ids])
             if self.aligner is not None:
                 texts = [self._text(p.token_ids) for p in pieces]
@@ -235,10 +230,9 @@ class _Run:
             window = wave[seek:seek + self.window_samples]
             ids = await self._decode(window, t, use_ts, previous_ids=previous)
             start_s, length_s = seek / self.sample_rate, len(window) / self.sample_rate
-            result = parse_window(ids, self.tokens.eot, self.tokens.timestamp_begin, start_s, length_s, use_ts)
+            result = parse_window(ids, self.tokens.eot, self.tokens.timestamp_begin, start_s, length_s, use_ts,
+                                  ids.stats)
             kept = closed_pieces(result, start_s) if use_ts else result.pieces
-            for p in kept:
-                self._piece_stats.setdefault(id(t), {})[id(p)] = ids.stats
             pieces += kept
             if self.options.condition_on_previous_text:
                 done = kept_tokens(ids, self.tokens.eot, self.tokens.timestamp_begin,
@@ -263,7 +257,7 @@ class _Run:
         # A chunk after the first starts mid-speech: its first words may come late.
         outputs = await self._decode_windows(windows, t, use_ts, new_audio_s, [i == 0 for i in range(len(windows))])
         parsed = [parse_window(ids, self.tokens.eot, self.tokens.timestamp_begin, starts[i] / sr, len(windows[i]) / sr,
-                               use_ts).pieces for i, ids in enumerate(outputs)]
+                               use_ts, ids.stats).pieces for i, ids in enumerate(outputs)]
         # Only window i hears the audio up to where window i + 1 starts; a retry runs into the next
         # window by the usual overlap, so the two stitch like neighbours.
         only_mine = starts[1:] + [len(wave)]
@@ -294,14 +288,14 @@ class _Run:
         new_audio_s = [(heard[i] - (heard[i - 1] if i else 0)) / sr for i in range(len(plan))]
         # Every window opens at a speech onset (plus the pad), so its first timestamp comes early.
         outputs = await self._decode_windows(windows, t, use_ts, new_audio_s, [True] * len(plan))
-        parsed = [parse_window(ids, self.tokens.eot, self.tokens.timestamp_begin, 0.0, len(audio) / sr, use_ts).pieces
-                  for audio, ids in zip(windows, outputs)]
+        parsed = [parse_window(ids, self.tokens.eot, self.tokens.timestamp_begin, 0.0, len(audio) / sr, use_ts,
+                               ids.stats).pieces for audio, ids in zip(windows, outputs)]
         retry_from = [unheard_from(p, len(audio) / sr) if use_ts else None for p, audio in zip(parsed, windows)]
         retried = await self._retry([None if r is None else (audio[int(r * sr):], r)
                                      for r, audio in zip(retry_from, windows)], t)
         pieces = []
         for w, window_pieces, extra in zip(plan, parsed, retried):
-            pieces += [Piece(*w.span_to_file_s(p.start_s, p.end_s, sr), p.token_ids)
+            pieces += [Piece(*w.span_to_file_s(p.start_s, p.end_s, sr), p.token_ids, p.stats)
                        for p in window_pieces + (extra or [])]
         return pieces
 
@@ -311,7 +305,8 @@ class _Run:
         async def one(audio: np.ndarray, start_s: float) -> list[Piece]:
             ids = await self._decode(audio, t, True)
             length_s = len(audio) / self.sample_rate
-            return parse_window(ids, self.tokens.eot, self.tokens.timestamp_begin, start_s, length_s, True).pieces
+            return parse_window(ids, self.tokens.eot, self.tokens.timestamp_begin, start_s, length_s, True,
+                                ids.stats).pieces
 
         todo = [asyncio.ensure_future(one(*job)) if job is not None else None for job in jobs]
         try:
@@ -378,9 +373,6 @@ class _Run:
         self.hotword_ids = self._encode("hotwords", o.hotwords)
         self.prefix_ids = self._encode("prefix", o.prefix)[:MAX_PROMPT_TOKENS]     # faster-whisper's bound
         self._started: set[int] = set()             # id(Transcript) of files whose first window began
-        # Per file (id(Transcript)): each window's stats in order, and the sequential pieces' own.
-        self._file_stats: dict[int, list[WindowStats]] = {}
-        self._piece_stats: dict[int, dict[int, WindowStats]] = {}
 
     def _encode(self, name: str, text: str | None) -> list[int]:
         if not text or not text.strip():
@@ -412,7 +404,6 @@ class _Run:
             stats = dataclasses.replace(stats, num_attempts=attempt)
             if not needs_fallback(stats, o):
                 break
-        self._file_stats.setdefault(id(t), []).append(stats)
         if is_no_speech(stats, o):
             return WindowTokens([], stats)
         return WindowTokens(forced + ids, stats)
