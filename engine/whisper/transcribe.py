@@ -9,8 +9,11 @@
             print(t.source, t.language, t.error or t.text)
 
 Every 30 s window of every file is one engine request; up to ``batch_size`` are in flight
-at once, so windows of many files (and, with ``strategy="chunked"``, of one long file)
-decode together in the engine's batches. A file that cannot be read or decoded gets
+at once, so windows of many files (and, with the vad and chunked strategies, of one long
+file) decode together in the engine's batches. A file of at most 30 s is one window whatever
+the strategy (the same tokens as transformers' short-form ``generate``); longer files follow
+``strategy``: vad by default, the most accurate on the long-form measurements of
+docs/transcribe.md (it needs silero-vad, part of the ``audio`` extra; only for such files). A file that cannot be read or decoded gets
 ``Transcript.error``; the others are unaffected. Long-form rules: ``longform.py``.
 """
 from __future__ import annotations
@@ -34,7 +37,8 @@ from enc2dec.engine.whisper.results import Segment, Transcript, TranscribeProgre
 from enc2dec.engine.whisper.tokens import MAX_INITIAL_TIMESTAMP_INDEX, decoding_rules, engine_whisper_info
 from enc2dec.engine.whisper.vad import check_available, pack_windows, speech_regions
 
-STRATEGIES = ("chunked", "sequential", "vad")
+STRATEGIES = ("vad", "chunked", "sequential")
+DEFAULT_STRATEGY = "vad"
 TASKS = ("transcribe", "translate")
 MAX_WINDOW_TOKENS = 224          # per window, as the original Whisper: half the decoder context
 
@@ -44,7 +48,7 @@ class _DecodeError(RuntimeError):
 
 
 def transcribe(llm, sources: Sequence, *, language: str | None = None, task: str = "transcribe",
-               strategy: str = "chunked", timestamps: bool = False, batch_size: int = 32,
+               strategy: str = DEFAULT_STRATEGY, timestamps: bool = False, batch_size: int = 32,
                progress: TranscribeProgress | None = None, beam_size: int = 1,
                temperature: float | Sequence[float] = 0.0, compression_ratio_threshold: float | None = 2.4,
                logprob_threshold: float | None = -1.0, no_speech_threshold: float | None = 0.6, best_of: int = 5,
@@ -52,7 +56,9 @@ def transcribe(llm, sources: Sequence, *, language: str | None = None, task: str
                hotwords: str | None = None, prefix: str | None = None,
                word_timestamps: bool = False) -> list[Transcript]:
     """Transcripts in the order of ``sources`` (file paths, or ``(samples, sample_rate)``
-    arrays). ``language=None`` detects it per file on multilingual checkpoints. ``beam_size``
+    arrays). ``language=None`` detects it per file on multilingual checkpoints. ``strategy``
+    decodes files over 30 s (``STRATEGIES``; vad needs silero-vad, checked before any decoding).
+    ``beam_size``
     > 1 decodes each window by beam search (the LLM needs ``max_beam_width >= beam_size``).
     ``word_timestamps`` fills ``Segment.words`` (it implies ``timestamps``; alignment.py).
 
@@ -73,7 +79,7 @@ def transcribe(llm, sources: Sequence, *, language: str | None = None, task: str
 
 
 async def transcribe_async(llm, sources: Sequence, *, language: str | None = None, task: str = "transcribe",
-                           strategy: str = "chunked", timestamps: bool = False, batch_size: int = 32,
+                           strategy: str = DEFAULT_STRATEGY, timestamps: bool = False, batch_size: int = 32,
                            progress: TranscribeProgress | None = None, beam_size: int = 1,
                            temperature: float | Sequence[float] = 0.0,
                            compression_ratio_threshold: float | None = 2.4, logprob_threshold: float | None = -1.0,
@@ -93,6 +99,8 @@ async def transcribe_async(llm, sources: Sequence, *, language: str | None = Non
         run.aligner = WordAligner(llm, run.tokens, run.sample_rate, task)
     named = [(_name(s, i), s) for i, s in enumerate(sources)]
     durations = [_probe(src) for _, src in named]
+    if strategy == "vad" and any(isinstance(d, float) and d > WINDOW_S for d in durations):
+        check_available()           # before any window decodes: a missing extra loses no work
     run.progress.start(sum(d for d in durations if isinstance(d, float)))
     return list(await asyncio.gather(*(run.file(name, src, d) for (name, src), d in zip(named, durations))))
 
@@ -131,8 +139,6 @@ class _Run:
         self.overlap_samples = int(round(CHUNK_OVERLAP_S * self.sample_rate))
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy {strategy!r} is not valid; valid: {', '.join(STRATEGIES)}")
-        if strategy == "vad":
-            check_available()
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         if not isinstance(beam_size, int) or beam_size < 1:
@@ -169,7 +175,10 @@ class _Run:
                 return self._done(Transcript(name, error=str(e)), duration)
             t = Transcript(name, language=self.language, duration_s=len(wave) / self.sample_rate)
             try:
-                decode = {"sequential": self._sequential, "chunked": self._chunked, "vad": self._vad}[self.strategy]
+                # vad on one window would only cut its silence out: the whole window decodes as
+                # transformers' short-form generate does (chunked's plan is that one window).
+                decode = self._chunked if self.strategy == "vad" and len(wave) <= self.window_samples else \
+                    {"sequential": self._sequential, "chunked": self._chunked, "vad": self._vad}[self.strategy]
                 raw = await decode(wave, t)
             except (_DecodeError, ValueError) as e:
                 t.error = f"decoding failed: {e}"
