@@ -218,7 +218,8 @@ def run_pipeline(folder: str, files: list[np.ndarray], dtype, device: str, langu
     if getattr(gen, "is_multilingual", False) and language:
         kw.update(language=language, task="transcribe")
     audio_s = sum(len(w) for w in files) / SR
-    pipe({"raw": files[0][:WARM_UP_S * SR], "sampling_rate": SR}, return_timestamps=True, generate_kwargs=kw)   # warm-up
+    pipe({"raw": files[0][:WARM_UP_S * SR], "sampling_rate": SR}, return_timestamps=True,       # warm-up
+         generate_kwargs=kw)
     counts.update(rows=0, tokens=0, steps=0)
     _sync(device)
     t0 = time.perf_counter()

@@ -13,8 +13,9 @@ at once, so windows of many files (and, with the vad and chunked strategies, of 
 file) decode together in the engine's batches. A file of at most 30 s is one window whatever
 the strategy (the same tokens as transformers' short-form ``generate``); longer files follow
 ``strategy``: vad by default, the most accurate on the long-form measurements of
-docs/transcribe.md (it needs silero-vad, part of the ``audio`` extra; only for such files). A file that cannot be read or decoded gets
-``Transcript.error``; the others are unaffected. Long-form rules: ``longform.py``.
+docs/transcribe.md (it needs silero-vad, part of the ``audio`` extra; only for such files).
+A file that cannot be read or decoded gets ``Transcript.error``; the others are unaffected.
+Long-form rules: ``longform.py``.
 """
 from __future__ import annotations
 
@@ -58,8 +59,8 @@ def transcribe(llm, sources: Sequence, *, language: str | None = None, task: str
     """Transcripts in the order of ``sources`` (file paths, or ``(samples, sample_rate)``
     arrays). ``language=None`` detects it per file on multilingual checkpoints. ``strategy``
     decodes files over 30 s (``STRATEGIES``; vad needs silero-vad, checked before any decoding).
-    ``beam_size``
-    > 1 decodes each window by beam search (the LLM needs ``max_beam_width >= beam_size``).
+    ``beam_size`` > 1 decodes each window by beam search (the LLM needs ``max_beam_width >=
+    beam_size``).
     ``word_timestamps`` fills ``Segment.words`` (it implies ``timestamps``; alignment.py).
 
     The original Whisper's options (``decoding.py``): ``temperature`` a list such as
