@@ -65,8 +65,11 @@ def serve(
                                               "max_input_len).", S)] = None,
     max_audio_s: Annotated[float, option("Longest audio upload in seconds (longer than 30 s is decoded in "
                                        "windows, as enc2dec transcribe does).", S)] = 3600.0,
-    long_form_strategy: Annotated[str, option("Audio over 30 s or with timestamps: sequential (most accurate) or "
-                                            "chunked (windows of one file decoded at once).", S)] = "sequential",
+    long_form_strategy: Annotated[str, option("Audio over 30 s: vad (Silero VAD's speech regions packed into 30 s "
+                                            "windows decoded at once; the most accurate; needs silero-vad, in the "
+                                            "audio extra), chunked (overlapping windows decoded at once) or "
+                                            "sequential (seek by predicted timestamps, one window at a time).",
+                                            S)] = "vad",
     drain_timeout: Annotated[float, option("SIGTERM: the drain ends within this many seconds; requests still "
                                          "running then are cut and the exit code is 1.", S)] = 600.0,
     request_timeout_s: Annotated[float, option("Longest time a request body may take to arrive, seconds (then "

@@ -19,12 +19,14 @@ HELP = """Transcribe (or translate to English) audio files with Whisper.
 
 Inputs are files or folders (searched recursively) in any format that
 libsndfile reads (wav, flac, ogg, opus, mp3), at any sampling rate and
-channel count, of any length. --strategy chunked (default) decodes
-overlapping 30 s windows together and stitches them. --strategy
-sequential moves a 30 s window along the timestamps the model predicts,
-as the original Whisper does. --strategy vad decodes only the speech
-Silero VAD finds, packed into 30 s windows (silence gives no text; needs
-the vad extra of enc2dec). See docs/transcribe.md. Text goes to stdout unless --output-dir is given;
+channel count, of any length. A file of at most 30 s decodes as one
+window. Longer ones: --strategy vad (default, the most accurate on our
+long-form measurements) decodes only the speech Silero VAD finds, packed
+into 30 s windows decoded together (silence gives no text). --strategy
+chunked decodes overlapping 30 s windows together and stitches them (no
+VAD). --strategy sequential moves a 30 s window along the timestamps the
+model predicts, as the original Whisper does (one window at a time per
+file). See docs/transcribe.md. Text goes to stdout unless --output-dir is given;
 progress and the summary go to stderr. Exit codes: 0 all files done,
 1 some file failed, 2 bad usage or input.
 
@@ -35,8 +37,8 @@ Examples:
   # subtitles for a folder, language given, two formats
   enc2dec transcribe recordings/ --language de -f srt,vtt -o subs/
 
-  # a long recording with pauses: decode only the speech
-  enc2dec transcribe meeting.flac --strategy vad
+  # a long recording without Silero VAD: overlapping windows, stitched
+  enc2dec transcribe meeting.flac --strategy chunked
 
   # translate into English, segment times on stdout
   enc2dec transcribe interview.flac --task translate --timestamps
@@ -75,10 +77,11 @@ def transcribe(
     language: Annotated[OptStr, option("Spoken language, a code or a name (en, de, 'german'); default: "
                                      "detected per file on multilingual checkpoints.", D)] = None,
     task: Annotated[str, option("transcribe, or translate (into English).", D)] = "transcribe",
-    strategy: Annotated[str, option("Long audio: chunked (overlapping windows decoded together), sequential "
-                                  "(seek by predicted timestamps, one window at a time) or vad (speech regions "
-                                  "from Silero VAD packed into 30 s windows decoded together; silence is "
-                                  "skipped; needs the vad extra of enc2dec). E.g. --strategy vad.", D)] = "chunked",
+    strategy: Annotated[str, option("Audio over 30 s: vad (speech regions from Silero VAD packed into 30 s "
+                                  "windows decoded together; silence is skipped; needs silero-vad, in the audio "
+                                  "extra), chunked (overlapping windows decoded together and stitched) or "
+                                  "sequential (seek by predicted timestamps, one window at a time). E.g. "
+                                  "--strategy chunked.", D)] = "vad",
     timestamps: Annotated[bool, option("Segment start and end times in the txt output (srt, vtt, tsv and json "
                                      "always carry them).", D)] = False,
     word_timestamps: Annotated[bool, option("Per-word start, end and probability (json: a words list in each "
@@ -106,7 +109,7 @@ def transcribe(
                                                      "(--strategy sequential; reset after a window decoded above "
                                                      "temperature 0.5).", D)] = False,
     initial_prompt: Annotated[OptStr, option("Text the first window is prompted with (every window with "
-                                           "--strategy chunked): spellings, names, style, e.g. 'Mr. Dashwood, "
+                                           "--strategy vad or chunked): spellings, names, style, e.g. 'Mr. Dashwood, "
                                            "Norland Park.'", D)] = None,
     hotwords: Annotated[OptStr, option("Words to prompt every window with (faster-whisper's hotwords), e.g. "
                                      "'Dashwood Norland'.", D)] = None,
@@ -153,13 +156,6 @@ def _check_options(o: dict) -> tuple[list[str], list[str]]:
         raise _UsageError(f"--beam-size must be >= 1, got {o['beam_size']}")
     if o["strategy"] not in STRATEGIES:
         raise _UsageError(f"--strategy {o['strategy']!r} is not valid; valid: {', '.join(STRATEGIES)}")
-    if o["strategy"] == "vad":
-        from enc2dec.engine.whisper.vad import check_available
-
-        try:
-            check_available()
-        except ValueError as e:
-            raise _UsageError(f"--strategy vad: {e}") from None
     if o["task"] not in TASKS:
         raise _UsageError(f"--task {o['task']!r} is not valid; valid: {', '.join(TASKS)}")
     if o["batch_size"] < 1:
@@ -172,7 +168,32 @@ def _check_options(o: dict) -> tuple[list[str], list[str]]:
     files, problems = expand_inputs(o["inputs"])
     if problems:
         raise _UsageError("; ".join(problems))
+    if o["strategy"] == "vad":
+        _check_vad(files)
     return files, formats
+
+
+def _check_vad(files: list[str]) -> None:
+    """Silero VAD is needed only for files over 30 s: known from their headers before the model
+    loads, so a missing extra costs neither the load nor any decoded window."""
+    from enc2dec.engine.whisper.audio import AudioError, probe_duration_s
+    from enc2dec.engine.whisper.longform import WINDOW_S
+    from enc2dec.engine.whisper.vad import INSTALL_COMMAND, check_available
+
+    def is_long(path: str) -> bool:
+        try:
+            return probe_duration_s(path) > WINDOW_S
+        except AudioError:          # reported per file later; the others still run
+            return False
+
+    try:
+        check_available()
+    except ValueError:
+        long_files = [f for f in files if is_long(f)]
+        if long_files:
+            raise _UsageError(f"--strategy vad (the default for audio over 30 s, here {len(long_files)} file(s), "
+                              f"e.g. {long_files[0]}) needs silero-vad and onnxruntime: {INSTALL_COMMAND}, or "
+                              "pass --strategy chunked or --strategy sequential") from None
 
 
 def _number(name: str, text: str, none_ok: bool = True) -> float | None:

@@ -16,11 +16,13 @@ Two paths, both through the engine's async API:
   temperature (streamed text cannot be taken back), token by token;
 - long-form: anything else goes through ``enc2dec.engine.whisper.transcribe`` as
   ``enc2dec transcribe`` does: 30 s windows, timestamp rules, temperature fallback, the
-  no-speech rule. Its ``sequential`` strategy is the default here: the most accurate, and a
-  server gets its batching from concurrent requests anyway.
+  no-speech rule. Audio over 30 s follows ``--long-form-strategy``: vad by default, as for
+  ``enc2dec transcribe`` (the most accurate on docs/transcribe.md's measurements; its windows
+  of one upload decode together). A clip of at most 30 s is one window whatever the strategy.
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import Annotated, Literal
@@ -40,6 +42,7 @@ WINDOW_S = 30.0
 ENCODER_POSITIONS_PER_S = 50          # Whisper: 1500 encoder positions per 30 s window
 TIMED_FORMATS = ("verbose_json", "srt", "vtt")
 SOT = "<|startoftranscript|>"
+logger = logging.getLogger("enc2dec.serve")
 
 
 class TranslationForm(TextFields):
@@ -193,9 +196,24 @@ async def _events(front, batch, duration_s: float):
 
 
 # ---- long-form: enc2dec.engine.whisper.transcribe ---------------------------------------------------
+# The server's set-up, not the client's request: a 500 that tells the operator the fix. Clips of
+# at most 30 s need no VAD and still work.
+_VAD_MISSING = ("--long-form-strategy vad (the default) needs silero-vad and onnxruntime for audio over 30 s: "
+                'pip install "enc2dec[audio]" on the server, or start it with --long-form-strategy chunked or '
+                "sequential")
+
+
 async def _long_form(front, config, request, form, wave, rate, lang, task, timed, duration_s, words=False):
     from enc2dec.engine.whisper.transcribe import transcribe_async
 
+    if config.long_form_strategy == "vad" and duration_s > WINDOW_S:
+        from enc2dec.engine.whisper.vad import check_available
+
+        try:
+            check_available()
+        except ValueError:
+            logger.error(_VAD_MISSING)
+            raise APIError(500, _VAD_MISSING, code="vad_unavailable") from None
     num_windows = max(1, math.ceil(duration_s / WINDOW_S))     # about: for the queue bound and the batch
     front.check_accepting(num_windows)
     t0 = time.monotonic()

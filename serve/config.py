@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from enc2dec.engine.launch import build_llm_args  # noqa: F401
 
 API_KEY_ENV = "ENC2DEC_API_KEY"
+# enc2dec.engine.whisper.transcribe.STRATEGIES, restated: that module imports numpy and the engine.
+LONG_FORM_STRATEGIES = ("vad", "chunked", "sequential")
 
 
 @dataclass(frozen=True)
@@ -24,7 +26,7 @@ class ServeConfig:
     max_upload_bytes: int = 25 << 20        # any request body (OpenAI's audio file limit is 25 MB)
     max_prompt_tokens: int | None = None    # tighter than the engine's max_input_len, if set
     max_audio_s: float = 3600.0             # longer uploads are refused (long-form decodes 30 s windows)
-    long_form_strategy: str = "sequential"  # audio over 30 s / timestamps: enc2dec.engine.whisper.transcribe's strategy
+    long_form_strategy: str = "vad"         # audio over 30 s: enc2dec.engine.whisper.transcribe's strategy
     retry_after_s: int = 1                  # Retry-After on 503s
     drain_timeout_s: float = 600.0          # SIGTERM: longest wait for in-flight requests
     request_timeout_s: float = 60.0         # longest time a request body may take to arrive
@@ -51,9 +53,9 @@ class ServeConfig:
             raise ValueError(f"--max-prompt-tokens must be >= 1, got {self.max_prompt_tokens}")
         if not 0 < self.max_audio_s:
             raise ValueError(f"--max-audio-s must be > 0, got {self.max_audio_s}")
-        if self.long_form_strategy not in ("sequential", "chunked"):
-            raise ValueError(f"--long-form-strategy {self.long_form_strategy!r} is not valid; valid: sequential, "
-                             "chunked")
+        if self.long_form_strategy not in LONG_FORM_STRATEGIES:
+            raise ValueError(f"--long-form-strategy {self.long_form_strategy!r} is not valid; valid: "
+                             f"{', '.join(LONG_FORM_STRATEGIES)}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"--drain-timeout must be >= 0, got {self.drain_timeout_s}")
         for name in ("request_timeout_s", "keep_alive_s"):

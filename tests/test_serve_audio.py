@@ -79,6 +79,25 @@ def test_long_audio_is_decoded_in_windows(tiny):
     assert m['enc2dec_kv_blocks_used{pool="cross"}'] == 0 and m["enc2dec_num_requests_in_flight"] == 0
 
 
+def test_without_silero_vad_long_uploads_get_a_500_that_names_the_fix(tiny, monkeypatch):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "silero_vad"
+                        else real_find_spec(name, *a))
+    assert tiny.config.long_form_strategy == "vad"          # the default
+    r = httpx.post(tiny.url + "/v1/audio/transcriptions", files={"file": ("long.wav", wav_bytes(tone(35.0)))},
+                   data={"model": NAME}, timeout=120)
+    assert r.status_code == 500, r.text
+    err = r.json()["error"]
+    assert err["code"] == "vad_unavailable" and 'pip install "enc2dec[audio]"' in err["message"]
+    assert "--long-form-strategy chunked" in err["message"]
+    # A clip of at most 30 s is one window, no VAD: it still works on the same server.
+    r = httpx.post(tiny.url + "/v1/audio/transcriptions", files={"file": ("a.wav", wav_bytes(tone(2.5)))},
+                   data={"model": NAME, "response_format": "verbose_json"}, timeout=120)
+    assert r.status_code == 200, r.text
+
+
 @pytest.mark.parametrize("data, files, status, needle", [
     ({"model": NAME}, {"file": ("x.wav", b"this is not audio")}, 400, "cannot decode"),
     ({"model": NAME}, {"file": ("x.wav", b"")}, 400, "empty"),
@@ -200,7 +219,8 @@ def test_real_whisper_long_audio_and_concurrent_clips(real):
     assert r.status_code == 200, r.text
     body = r.json()
     assert _wer(" ".join(t for _, t in clips), body["text"]) < 0.25, body["text"]
-    assert "go forward" in body["text"].lower() and body["segments"][-1]["end"] > 30     # the last clip
+    # the last clip (27.2-30.0 s) as the last segment
+    assert "go forward" in body["text"].lower() and body["segments"][-1]["start"] > 26.5
 
     async def all_clips():
         client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
@@ -230,3 +250,32 @@ def test_real_whisper_prompt_is_previous_text_and_segments_carry_the_decode_meas
     quiet = wav_bytes(np.zeros(3 * 16000, np.float32))
     silence = client.audio.transcriptions.create(model=NAME, file=("s.wav", quiet), response_format="verbose_json")
     assert silence.segments and all(s.no_speech_prob > 0.6 for s in silence.segments)
+
+
+@pytest.mark.real
+def test_real_whisper_vad_on_the_server_gives_the_library_text(real, real_tiny_llm):
+    import io
+
+    import soundfile
+
+    from enc2dec.engine.whisper.transcribe import transcribe
+    from enc2dec.serve.audio import fallback_temperatures
+
+    srv, clips = real
+    assert srv.config.long_form_strategy == "vad"
+    waves = [soundfile.read(str(p), dtype="float32")[0] for p, _ in clips[:3]]
+    gap = [np.zeros(s * 16000, np.float32) for s in (6, 12, 9)]
+    upload = wav_bytes(np.concatenate([gap[0], waves[0], gap[1], waves[1], gap[2], waves[2], gap[0]]))
+    r = httpx.post(srv.url + "/v1/audio/transcriptions", files={"file": ("gaps.wav", upload)},
+                   data={"model": NAME, "response_format": "verbose_json"}, timeout=120)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["duration"] > 30
+    # The library on the same 16-bit samples, with the server's temperature fallback.
+    samples, rate = soundfile.read(io.BytesIO(upload), dtype="float32")
+    t, = transcribe(real_tiny_llm, [(samples, rate)], strategy="vad", timestamps=True,
+                    temperature=fallback_temperatures(0.0))
+    assert t.error is None and t.text and body["text"] == t.text
+    assert [x for s in body["segments"] for x in (s["start"], s["end"])] == pytest.approx(
+        [x for s in t.segments for x in (s.start_s, s.end_s)], abs=0.01)
+    assert body["segments"][0]["start"] >= 5.0           # the leading silence is not decoded

@@ -119,6 +119,9 @@ def test_long_audio_wer_and_segments(real_whisper, base_llm, joined, strategy):
     times = [x for s in t.segments for x in (s.start_s, s.end_s)]
     assert times == sorted(times) and times[0] >= 0 and times[-1] <= duration
     assert len(t.segments) >= 10 and all(s.text for s in t.segments)
+    # Each segment carries the measures of the window it came from, several windows here.
+    assert all(s.avg_logprob < 0 and s.compression_ratio > 0 for s in t.segments), t.segments
+    assert len({(s.avg_logprob, s.compression_ratio) for s in t.segments}) > 1 and t.num_windows > 1
 
 
 def test_44k_stereo_equals_16k_mono(real_whisper, real_tiny_llm, tmp_path):

@@ -16,6 +16,7 @@ from enc2dec.engine.whisper.longform import (Merged, Piece, chunk_windows, close
                                      monotonic, parse_window)
 from enc2dec.engine.sampling_params import SamplingParams
 from enc2dec.engine.whisper.subtitles import clock, output_stems, render
+from enc2dec.engine.whisper.decoding import WindowStats
 from enc2dec.engine.whisper.transcribe import Segment, Transcript
 from enc2dec.engine.whisper.rules import DetectLanguage, SuppressAtBegin, TimestampRules
 from enc2dec.engine.whisper.tokens import IdOnlyTokenizer, WhisperTokens
@@ -130,6 +131,16 @@ def test_merge_ignores_a_repeat_far_from_the_overlap_and_silent_overlaps():
     silent = _merge([[Piece(0, 20, [1, 2, 3])], [Piece(31, 55, [4, 5])]], [(0, 0), (25, 30)])
     assert _flat(silent) == [1, 2, 3, 4, 5]
     assert [(p.start_s, p.end_s) for p in silent] == [(0, 20), (31, 55)]
+
+
+def test_stitched_and_clamped_pieces_keep_the_measures_of_their_window():
+    first, second = WindowStats(0.0, -0.2, 1.5, 0.01), WindowStats(0.2, -0.7, 1.9, 0.05)
+    left = parse_window([TS + 0, 1, 2, 3, TS + 1250, TS + 1250, 4, 5, TS + 1500], EOT, TS, 0.0, 30.0, True, first)
+    right = parse_window([TS + 0, 4, 5, 6, TS + 400, TS + 400, 7, 8, TS + 1000], EOT, TS, 25.0, 30.0, True, second)
+    out = monotonic(_merge([left.pieces, right.pieces], [(0, 0), (25, 30)]), 60.0)
+    assert _flat(out) == [1, 2, 3, 4, 5, 6, 7, 8]
+    # The piece the splice joins is the left window's; what only the right window heard is its own.
+    assert [p.stats for p in out] == [first, first, second]
 
 
 def test_monotonic_clamps_into_the_audio():

@@ -48,17 +48,38 @@ def test_unheard_from_only_when_words_stop_early():
     assert unheard_from([], 20.0) is None                     # heard nothing at all: silence or noise
 
 
-def test_cli_names_the_extra_when_silero_vad_is_missing(monkeypatch, tmp_path):
+@pytest.fixture
+def no_silero(monkeypatch):
     import importlib.util
 
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "silero_vad"
                         else real_find_spec(name, *a))
-    clip = tmp_path / "a.wav"
-    sf.write(clip, np.zeros(SR, np.float32), SR)
-    r = CliRunner().invoke(app, ["transcribe", str(clip), "--strategy", "vad", "--model", "unused"])
+
+
+def test_cli_default_strategy_names_the_install_and_the_alternatives_when_silero_vad_is_missing(no_silero, tmp_path):
+    sf.write(tmp_path / "short.wav", np.zeros(SR, np.float32), SR)
+    sf.write(tmp_path / "long.wav", np.zeros(31 * SR, np.float32), SR)
+    # Checked from the headers before the model loads (the model name here would fail to load).
+    r = CliRunner().invoke(app, ["transcribe", str(tmp_path), "--model", "unused"])
     assert r.exit_code == 2, r.output
-    assert 'pip install "enc2dec[vad]"' in r.output and "Traceback" not in r.output
+    assert 'pip install "enc2dec[audio]"' in r.stderr and "--strategy chunked or --strategy sequential" in r.stderr
+    assert "long.wav" in r.stderr and "Traceback" not in r.output
+
+
+def test_the_vad_strategy_is_the_default_everywhere():
+    import inspect
+
+    from enc2dec.cli.transcribe import transcribe as cli_transcribe
+    from enc2dec.engine.whisper.transcribe import DEFAULT_STRATEGY, STRATEGIES, transcribe, transcribe_async
+    from enc2dec.serve.config import LONG_FORM_STRATEGIES, ServeConfig
+
+    assert DEFAULT_STRATEGY == "vad" and LONG_FORM_STRATEGIES == STRATEGIES
+    for fn in (transcribe, transcribe_async, cli_transcribe):
+        assert inspect.signature(fn).parameters["strategy"].default == "vad", fn
+    assert ServeConfig(model="m").long_form_strategy == "vad"
+    with pytest.raises(ValueError, match="valid: vad, chunked, sequential"):
+        ServeConfig(model="m", long_form_strategy="fast")
 
 
 # ---- real tiny.en and Silero VAD ------------------------------------------------------------------
@@ -72,6 +93,39 @@ def _placed(real_whisper, plan):
         wave[int(at * SR):int(at * SR) + len(clip)] = clip
         spans.append((at, at + len(clip) / SR))
     return wave, spans, [rows[k]["text"] for k, _ in plan]
+
+
+@pytest.mark.real
+def test_without_silero_vad_short_files_still_decode_and_long_ones_fail_before_any_window(no_silero, monkeypatch,
+                                                                                       real_whisper, real_tiny_llm):
+    from enc2dec.engine.whisper.transcribe import transcribe
+
+    wave, _, _ = _placed(real_whisper, [(1, 1.0)])
+    assert len(wave) <= 30 * SR
+    t, = transcribe(real_tiny_llm, [(wave, SR)])
+    assert t.error is None and "young man" in t.text.lower()
+    started = []
+    real_generate = real_tiny_llm.generate_async
+
+    def counting(*a, **kw):
+        started.append(1)
+        return real_generate(*a, **kw)
+
+    monkeypatch.setattr(real_tiny_llm, "generate_async", counting)
+    with pytest.raises(ValueError, match=r'pip install "enc2dec\[audio\]", or pass strategy="chunked"'):
+        transcribe(real_tiny_llm, [(wave, SR), (np.concatenate([wave, np.zeros(30 * SR, np.float32)]), SR)])
+    assert started == []            # the short file did not decode first only to be thrown away
+
+
+@pytest.mark.real
+def test_a_clip_of_at_most_30_s_decodes_as_one_window_whatever_the_strategy(real_whisper, real_tiny_llm):
+    from enc2dec.engine.whisper.transcribe import transcribe
+
+    # Silence either side of the speech: vad would cut it out, but a short clip is one window as is.
+    wave, _, _ = _placed(real_whisper, [(1, 8.0)])
+    runs = {s: transcribe(real_tiny_llm, [(wave, SR)], strategy=s, timestamps=True)[0] for s in ("vad", "chunked")}
+    assert runs["vad"].segments == runs["chunked"].segments and runs["vad"].text == runs["chunked"].text
+    assert runs["vad"].segments[0].start_s < 7.0         # the window opens at 0 s, not at the speech
 
 
 @pytest.mark.real

@@ -1,6 +1,6 @@
 """Long-form accuracy and speed of ``enc2dec transcribe`` (each strategy) against faster-whisper
 on files composed of the LibriVox clips of shared/tools/real_models.py. A lab script
-(bench/scripts is not installed); CPU, greedy, float32.
+(bench/scripts is not installed); CPU, float32, greedy (``--beam 5``: beam search on both sides).
 
     python bench/scripts/longform_wer.py /tmp/longform --models tiny.en,base
 
@@ -44,9 +44,9 @@ a = json.loads(sys.argv[1])
 model = WhisperModel(a["model"], device="cpu", compute_type="float32", cpu_threads=a["threads"])
 t0 = time.perf_counter()
 if a["mode"] == "fw-batched":
-    segments, _ = BatchedInferencePipeline(model).transcribe(a["audio"], batch_size=8, beam_size=1)
+    segments, _ = BatchedInferencePipeline(model).transcribe(a["audio"], batch_size=8, beam_size=a["beam"])
 else:
-    segments, _ = model.transcribe(a["audio"], beam_size=1, temperature=0.0, condition_on_previous_text=False)
+    segments, _ = model.transcribe(a["audio"], beam_size=a["beam"], temperature=0.0, condition_on_previous_text=False)
 text = " ".join(s.text.strip() for s in segments)
 print(json.dumps({"text": text, "wall_s": time.perf_counter() - t0,
                   "versions": f"faster-whisper {faster_whisper.__version__}, ctranslate2 {ctranslate2.__version__}"}))
@@ -126,12 +126,12 @@ def _normaliser(model_dir: Path):
     return EnglishTextNormalizer(json.load(open(spelling)) if spelling.exists() else {})
 
 
-def run_enc2dec(model_dir: Path, strategy: str, audio: Path) -> tuple[str, float]:
+def run_enc2dec(model_dir: Path, strategy: str, audio: Path, beam: int = 1) -> tuple[str, float]:
     """The text (plain txt on stdout, as a user runs it) and the wall seconds the summary reports
     (transcription only, without the model load)."""
     cli = Path(sys.executable).with_name("enc2dec")
     cmd = [str(cli), "transcribe", str(audio), "--model", str(model_dir), "--strategy", strategy,
-           "--dtype", "float32", "--device", "cpu", "--quiet"]
+           "--dtype", "float32", "--device", "cpu", "--quiet", "--beam-size", str(beam)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
@@ -139,8 +139,9 @@ def run_enc2dec(model_dir: Path, strategy: str, audio: Path) -> tuple[str, float
     return r.stdout, float(wall.group(1))
 
 
-def run_fw(fw_python: str, ct2_dir: Path, mode: str, audio: Path, threads: int) -> tuple[str, float, str]:
-    arg = json.dumps({"model": str(ct2_dir), "mode": mode, "audio": str(audio), "threads": threads})
+def run_fw(fw_python: str, ct2_dir: Path, mode: str, audio: Path, threads: int,
+           beam: int = 1) -> tuple[str, float, str]:
+    arg = json.dumps({"model": str(ct2_dir), "mode": mode, "audio": str(audio), "threads": threads, "beam": beam})
     r = subprocess.run([fw_python, "-c", FW_SCRIPT, arg], capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"faster-whisper {mode} failed:\n{r.stderr[-2000:]}")
@@ -187,6 +188,7 @@ def main() -> None:
     p.add_argument("--files", default="", help="comma list of composition names (default: all)")
     p.add_argument("--fw-python", default="/work/fw-venv/bin/python")
     p.add_argument("--threads", type=int, default=2, help="faster-whisper cpu_threads")
+    p.add_argument("--beam", type=int, default=1, help="beam width for every engine (1: greedy)")
     a = p.parse_args()
     engines = [e for e in a.engines.split(",") if e]
     comps = compose(a.folder, a.real / "speech", _normaliser(a.real / "whisper-base"))
@@ -199,11 +201,13 @@ def main() -> None:
         for comp in comps:
             for engine in engines:
                 if engine in STRATEGIES:
-                    text, wall_s = run_enc2dec(hf_dir, engine, comp.path)
+                    text, wall_s = run_enc2dec(hf_dir, engine, comp.path, a.beam)
                     label = f"enc2dec {engine}"
                 else:
-                    text, wall_s, fw_versions = run_fw(a.fw_python, ct2_dir, engine, comp.path, a.threads)
+                    text, wall_s, fw_versions = run_fw(a.fw_python, ct2_dir, engine, comp.path, a.threads, a.beam)
                     label = engine
+                if a.beam > 1:
+                    label += f" beam {a.beam}"
                 wer, longest, where = score(comp, norm(text).split())
                 rows.append((model, comp.name, label, wer, wall_s, longest, where))
                 print(f"{model:8} {comp.name:13} {label:20} WER {wer:6.2%}  wall {wall_s:6.1f} s  "

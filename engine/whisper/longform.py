@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from enc2dec.engine.whisper.decoding import WindowStats
 from enc2dec.engine.whisper.tokens import TIME_PRECISION_S
 
 WINDOW_S = 30.0
@@ -42,6 +43,7 @@ class Piece:
     start_s: float
     end_s: float
     token_ids: list[int]
+    stats: WindowStats | None = None    # of the window decode the text came from
 
 
 @dataclass
@@ -102,16 +104,16 @@ def chunk_windows(wave: np.ndarray, sample_rate: int, window_s: float = WINDOW_S
 
 # ---- one window's tokens -> timed pieces ------------------------------------------------------
 def parse_window(token_ids: list[int], eot: int, timestamp_begin: int, start_s: float, length_s: float,
-                 timestamps: bool) -> WindowResult:
-    """Split a window's output into pieces. With timestamps: pieces closed by a timestamp
-    pair, plus the open tail (it ends at the window's end); ``consumed_s`` is where the last
-    closed piece ended, or the whole window when the text ended with a lone timestamp (the
-    speech ran to the end) or held no pair at all."""
+                 timestamps: bool, stats: WindowStats | None = None) -> WindowResult:
+    """Split a window's output into pieces (each carrying ``stats``, the window's measures). With
+    timestamps: pieces closed by a timestamp pair, plus the open tail (it ends at the window's
+    end); ``consumed_s`` is where the last closed piece ended, or the whole window when the text
+    ended with a lone timestamp (the speech ran to the end) or held no pair at all."""
     ids = [t for t in token_ids if t != eot]
     end_s = start_s + length_s
     if not timestamps:
         text = [t for t in ids if t < eot]
-        return WindowResult([Piece(start_s, end_s, text)] if text else [], length_s)
+        return WindowResult([Piece(start_s, end_s, text, stats)] if text else [], length_s)
 
     def at(t: int) -> float:
         return min(start_s + (t - timestamp_begin) * TIME_PRECISION_S, end_s)
@@ -125,11 +127,11 @@ def parse_window(token_ids: list[int], eot: int, timestamp_begin: int, start_s: 
         span = ids[cut:i]           # starts and ends with a timestamp
         text = [t for t in span if t < eot]
         if text:
-            pieces.append(Piece(at(span[0]), at(span[-1]), text))
+            pieces.append(Piece(at(span[0]), at(span[-1]), text, stats))
         cut = i
     tail = [t for t in ids[cut:] if t < eot]
     if tail:                    # an open piece: no closing timestamp, it runs to the window's end
-        pieces.append(Piece(at(ids[cut]) if is_ts[cut] else start_s, end_s, tail))
+        pieces.append(Piece(at(ids[cut]) if is_ts[cut] else start_s, end_s, tail, stats))
     consumed = length_s
     if pair_ends and not lone_ending:
         consumed = (ids[pair_ends[-1] - 1] - timestamp_begin) * TIME_PRECISION_S
@@ -192,7 +194,7 @@ def merge_chunk(merged: Merged, pieces: list[Piece], overlap: tuple[float, float
     no such run (silence, or two decodes that disagree) each window keeps its tokens up to the
     middle of the overlap."""
     items = _items(pieces, len(merged.pieces))
-    new_pieces = [Piece(p.start_s, p.end_s, []) for p in pieces]
+    new_pieces = [Piece(p.start_s, p.end_s, [], p.stats) for p in pieces]
     lo, hi = overlap
     if merged.items and items and hi > lo:
         left0 = len(merged.items)
@@ -231,7 +233,7 @@ def merged_pieces(merged: Merged) -> list[Piece]:
     out: dict[int, Piece] = {}
     for it in merged.items:
         src = merged.pieces[it.piece]
-        out.setdefault(it.piece, Piece(src.start_s, src.end_s, [])).token_ids.append(it.token_id)
+        out.setdefault(it.piece, Piece(src.start_s, src.end_s, [], src.stats)).token_ids.append(it.token_id)
     return list(out.values())
 
 
@@ -242,6 +244,6 @@ def monotonic(pieces: list[Piece], duration_s: float) -> list[Piece]:
     for p in pieces:
         start = min(max(p.start_s, last, 0.0), duration_s)
         end = min(max(p.end_s, start), duration_s)
-        out.append(Piece(start, end, p.token_ids))
+        out.append(Piece(start, end, p.token_ids, p.stats))
         last = end
     return out

@@ -17,9 +17,9 @@ class Segment(NamedTuple):
     start_s: float
     end_s: float
     text: str
-    # Of the window the segment came from (the original Whisper's segment fields; 0.0 where a
-    # strategy does not track them): mean token log-probability, gzip compression ratio of the
-    # window's text, probability of <|nospeech|>, and the temperature of the kept decode.
+    # Of the window decode the segment came from (the original Whisper's segment fields; 0.0 for
+    # segments built by hand): mean token log-probability, gzip compression ratio of the window's
+    # text, probability of <|nospeech|>, and the temperature of the kept decode.
     avg_logprob: float = 0.0
     compression_ratio: float = 0.0
     no_speech_prob: float = 0.0

@@ -9,9 +9,13 @@
             print(t.source, t.language, t.error or t.text)
 
 Every 30 s window of every file is one engine request; up to ``batch_size`` are in flight
-at once, so windows of many files (and, with ``strategy="chunked"``, of one long file)
-decode together in the engine's batches. A file that cannot be read or decoded gets
-``Transcript.error``; the others are unaffected. Long-form rules: ``longform.py``.
+at once, so windows of many files (and, with the vad and chunked strategies, of one long
+file) decode together in the engine's batches. A file of at most 30 s is one window whatever
+the strategy (the same tokens as transformers' short-form ``generate``); longer files follow
+``strategy``: vad by default, the most accurate on the long-form measurements of
+docs/transcribe.md (it needs silero-vad, part of the ``audio`` extra; only for such files).
+A file that cannot be read or decoded gets ``Transcript.error``; the others are unaffected.
+Long-form rules: ``longform.py``.
 """
 from __future__ import annotations
 
@@ -34,7 +38,8 @@ from enc2dec.engine.whisper.results import Segment, Transcript, TranscribeProgre
 from enc2dec.engine.whisper.tokens import MAX_INITIAL_TIMESTAMP_INDEX, decoding_rules, engine_whisper_info
 from enc2dec.engine.whisper.vad import check_available, pack_windows, speech_regions
 
-STRATEGIES = ("chunked", "sequential", "vad")
+STRATEGIES = ("vad", "chunked", "sequential")
+DEFAULT_STRATEGY = "vad"
 TASKS = ("transcribe", "translate")
 MAX_WINDOW_TOKENS = 224          # per window, as the original Whisper: half the decoder context
 
@@ -44,7 +49,7 @@ class _DecodeError(RuntimeError):
 
 
 def transcribe(llm, sources: Sequence, *, language: str | None = None, task: str = "transcribe",
-               strategy: str = "chunked", timestamps: bool = False, batch_size: int = 32,
+               strategy: str = DEFAULT_STRATEGY, timestamps: bool = False, batch_size: int = 32,
                progress: TranscribeProgress | None = None, beam_size: int = 1,
                temperature: float | Sequence[float] = 0.0, compression_ratio_threshold: float | None = 2.4,
                logprob_threshold: float | None = -1.0, no_speech_threshold: float | None = 0.6, best_of: int = 5,
@@ -52,8 +57,10 @@ def transcribe(llm, sources: Sequence, *, language: str | None = None, task: str
                hotwords: str | None = None, prefix: str | None = None,
                word_timestamps: bool = False) -> list[Transcript]:
     """Transcripts in the order of ``sources`` (file paths, or ``(samples, sample_rate)``
-    arrays). ``language=None`` detects it per file on multilingual checkpoints. ``beam_size``
-    > 1 decodes each window by beam search (the LLM needs ``max_beam_width >= beam_size``).
+    arrays). ``language=None`` detects it per file on multilingual checkpoints. ``strategy``
+    decodes files over 30 s (``STRATEGIES``; vad needs silero-vad, checked before any decoding).
+    ``beam_size`` > 1 decodes each window by beam search (the LLM needs ``max_beam_width >=
+    beam_size``).
     ``word_timestamps`` fills ``Segment.words`` (it implies ``timestamps``; alignment.py).
 
     The original Whisper's options (``decoding.py``): ``temperature`` a list such as
@@ -73,7 +80,7 @@ def transcribe(llm, sources: Sequence, *, language: str | None = None, task: str
 
 
 async def transcribe_async(llm, sources: Sequence, *, language: str | None = None, task: str = "transcribe",
-                           strategy: str = "chunked", timestamps: bool = False, batch_size: int = 32,
+                           strategy: str = DEFAULT_STRATEGY, timestamps: bool = False, batch_size: int = 32,
                            progress: TranscribeProgress | None = None, beam_size: int = 1,
                            temperature: float | Sequence[float] = 0.0,
                            compression_ratio_threshold: float | None = 2.4, logprob_threshold: float | None = -1.0,
@@ -93,6 +100,8 @@ async def transcribe_async(llm, sources: Sequence, *, language: str | None = Non
         run.aligner = WordAligner(llm, run.tokens, run.sample_rate, task)
     named = [(_name(s, i), s) for i, s in enumerate(sources)]
     durations = [_probe(src) for _, src in named]
+    if strategy == "vad" and any(isinstance(d, float) and d > WINDOW_S for d in durations):
+        check_available()           # before any window decodes: a missing extra loses no work
     run.progress.start(sum(d for d in durations if isinstance(d, float)))
     return list(await asyncio.gather(*(run.file(name, src, d) for (name, src), d in zip(named, durations))))
 
@@ -131,8 +140,6 @@ class _Run:
         self.overlap_samples = int(round(CHUNK_OVERLAP_S * self.sample_rate))
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy {strategy!r} is not valid; valid: {', '.join(STRATEGIES)}")
-        if strategy == "vad":
-            check_available()
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         if not isinstance(beam_size, int) or beam_size < 1:
@@ -169,20 +176,18 @@ class _Run:
                 return self._done(Transcript(name, error=str(e)), duration)
             t = Transcript(name, language=self.language, duration_s=len(wave) / self.sample_rate)
             try:
-                decode = {"sequential": self._sequential, "chunked": self._chunked, "vad": self._vad}[self.strategy]
+                # vad on one window would only cut its silence out: the whole window decodes as
+                # transformers' short-form generate does (chunked's plan is that one window).
+                decode = self._chunked if self.strategy == "vad" and len(wave) <= self.window_samples else \
+                    {"sequential": self._sequential, "chunked": self._chunked, "vad": self._vad}[self.strategy]
                 raw = await decode(wave, t)
             except (_DecodeError, ValueError) as e:
                 t.error = f"decoding failed: {e}"
                 return self._done(t, duration)
             finally:
                 self._started.discard(id(t))
-                windows = self._file_stats.pop(id(t), [])
-                by_piece = self._piece_stats.pop(id(t), {})
-            # monotonic() makes new pieces in the same order; the window stats follow by position.
-            # A file of one window (any strategy) has its segments from that window alone.
-            alone = windows[0] if len(windows) == 1 else WindowStats()
-            stats = [by_piece.get(id(p), alone) for p in raw]
             pieces = monotonic(raw, t.duration_s)
+            stats = [p.stats or WindowStats() for p in pieces]
             t.text = self._text([tok for p in pieces for tok in p.token_ids])
             if self.aligner is not None:
                 texts = [self._text(p.token_ids) for p in pieces]
@@ -235,10 +240,9 @@ class _Run:
             window = wave[seek:seek + self.window_samples]
             ids = await self._decode(window, t, use_ts, previous_ids=previous)
             start_s, length_s = seek / self.sample_rate, len(window) / self.sample_rate
-            result = parse_window(ids, self.tokens.eot, self.tokens.timestamp_begin, start_s, length_s, use_ts)
+            result = parse_window(ids, self.tokens.eot, self.tokens.timestamp_begin, start_s, length_s, use_ts,
+                                  ids.stats)
             kept = closed_pieces(result, start_s) if use_ts else result.pieces
-            for p in kept:
-                self._piece_stats.setdefault(id(t), {})[id(p)] = ids.stats
             pieces += kept
             if self.options.condition_on_previous_text:
                 done = kept_tokens(ids, self.tokens.eot, self.tokens.timestamp_begin,
@@ -263,7 +267,7 @@ class _Run:
         # A chunk after the first starts mid-speech: its first words may come late.
         outputs = await self._decode_windows(windows, t, use_ts, new_audio_s, [i == 0 for i in range(len(windows))])
         parsed = [parse_window(ids, self.tokens.eot, self.tokens.timestamp_begin, starts[i] / sr, len(windows[i]) / sr,
-                               use_ts).pieces for i, ids in enumerate(outputs)]
+                               use_ts, ids.stats).pieces for i, ids in enumerate(outputs)]
         # Only window i hears the audio up to where window i + 1 starts; a retry runs into the next
         # window by the usual overlap, so the two stitch like neighbours.
         only_mine = starts[1:] + [len(wave)]
@@ -294,14 +298,14 @@ class _Run:
         new_audio_s = [(heard[i] - (heard[i - 1] if i else 0)) / sr for i in range(len(plan))]
         # Every window opens at a speech onset (plus the pad), so its first timestamp comes early.
         outputs = await self._decode_windows(windows, t, use_ts, new_audio_s, [True] * len(plan))
-        parsed = [parse_window(ids, self.tokens.eot, self.tokens.timestamp_begin, 0.0, len(audio) / sr, use_ts).pieces
-                  for audio, ids in zip(windows, outputs)]
+        parsed = [parse_window(ids, self.tokens.eot, self.tokens.timestamp_begin, 0.0, len(audio) / sr, use_ts,
+                               ids.stats).pieces for audio, ids in zip(windows, outputs)]
         retry_from = [unheard_from(p, len(audio) / sr) if use_ts else None for p, audio in zip(parsed, windows)]
         retried = await self._retry([None if r is None else (audio[int(r * sr):], r)
                                      for r, audio in zip(retry_from, windows)], t)
         pieces = []
         for w, window_pieces, extra in zip(plan, parsed, retried):
-            pieces += [Piece(*w.span_to_file_s(p.start_s, p.end_s, sr), p.token_ids)
+            pieces += [Piece(*w.span_to_file_s(p.start_s, p.end_s, sr), p.token_ids, p.stats)
                        for p in window_pieces + (extra or [])]
         return pieces
 
@@ -311,7 +315,8 @@ class _Run:
         async def one(audio: np.ndarray, start_s: float) -> list[Piece]:
             ids = await self._decode(audio, t, True)
             length_s = len(audio) / self.sample_rate
-            return parse_window(ids, self.tokens.eot, self.tokens.timestamp_begin, start_s, length_s, True).pieces
+            return parse_window(ids, self.tokens.eot, self.tokens.timestamp_begin, start_s, length_s, True,
+                                ids.stats).pieces
 
         todo = [asyncio.ensure_future(one(*job)) if job is not None else None for job in jobs]
         try:
@@ -378,9 +383,6 @@ class _Run:
         self.hotword_ids = self._encode("hotwords", o.hotwords)
         self.prefix_ids = self._encode("prefix", o.prefix)[:MAX_PROMPT_TOKENS]     # faster-whisper's bound
         self._started: set[int] = set()             # id(Transcript) of files whose first window began
-        # Per file (id(Transcript)): each window's stats in order, and the sequential pieces' own.
-        self._file_stats: dict[int, list[WindowStats]] = {}
-        self._piece_stats: dict[int, dict[int, WindowStats]] = {}
 
     def _encode(self, name: str, text: str | None) -> list[int]:
         if not text or not text.strip():
@@ -412,7 +414,6 @@ class _Run:
             stats = dataclasses.replace(stats, num_attempts=attempt)
             if not needs_fallback(stats, o):
                 break
-        self._file_stats.setdefault(id(t), []).append(stats)
         if is_no_speech(stats, o):
             return WindowTokens([], stats)
         return WindowTokens(forced + ids, stats)

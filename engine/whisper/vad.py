@@ -3,8 +3,8 @@
 
 Silence between regions is left out of the windows, so the model never decodes a window
 that holds no speech (where Whisper invents text) and a window carries up to 30 s of
-speech. ``silero-vad`` (with onnxruntime: the ``vad`` extra) is imported only when a
-file is planned; the packing and the time map are plain numbers, unit tested without it.
+speech. ``silero-vad`` (with onnxruntime: in the ``audio`` extra) is imported only when a
+file over 30 s is planned; the packing and the time map are plain numbers, unit tested without it.
 """
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ VAD_SAMPLE_RATE = 16000
 MIN_SILENCE_MS = 160
 SPEECH_PAD_MS = 400         # speech kept either side of a region: onsets and word tails Silero scores low
 SEAM_SNAP_S = 1.0           # about the silence around a seam: two pads
-INSTALL_HINT = 'the vad strategy needs silero-vad and onnxruntime: pip install "enc2dec[vad]"'
+INSTALL_COMMAND = 'pip install "enc2dec[audio]"'
+INSTALL_HINT = (f'the vad strategy (the default for audio over 30 s) needs silero-vad and onnxruntime: '
+                f'{INSTALL_COMMAND}, or pass strategy="chunked" or "sequential"')
 
 
 @dataclass(frozen=True)
