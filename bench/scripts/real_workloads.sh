@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Issue 17's target workloads on one H200 in one call (about 9 minutes), a short table last:
 #   sampled  flan-t5-large 128/128 at C=64: greedy, temperature 0.8 top-p 0.95, the same seeded
+#            (t5: greedy and sampled only; greedy: greedy only, e.g. beside serve)
 #   whisper  whisper-large-v3 30 s / 96 tokens at C=64: plain, --timestamps, --detect-language, and
 #            63 plain requests beside one timestamped (--timestamps-every 64)
 #   serve    enc2dec serve flan-t5-large (dummy, loopback, in the background, waited for /health)
 #            + enc2dec bench --url --streaming at C=64, against sampled's greedy in-process figure
 #   fast     whisper-large-v3-turbo at C=64 and flan-t5-base at C=256, each against hf-compile
+#            (turbo: the first of the two only)
 #   fp8      whisper-large-v3 (and flan-t5-large) at C=64 with --kv-cache-dtype fp8, against the
 #            same runs with bf16 KV (wh-plain, t5-greedy: run those sections in the same call)
 #   itl      the encoder budget of decoding steps (tuning.encoder_tokens_while_decoding): whisper-large-v3
@@ -112,6 +114,13 @@ PY
 for section in $SECTIONS; do
   echo "== $section ($(date -u +%H:%M:%S), $(left) s left)"
   case $section in
+  greedy) run t5-greedy $LIMIT $T5RUN ;;
+  t5)
+    run t5-greedy $LIMIT $T5RUN
+    run t5-sampled $LIMIT $T5RUN --temperature 0.8 --top-p 0.95 ;;
+  turbo)
+    run turbo-hfc ${FAST_LIMIT_S:-$((LIMIT * 2))} --model $WHT $COMMON $AUD --concurrency $C --num-requests $NUM \
+        --baseline $FASTBASE ;;
   sampled)
     run t5-greedy $LIMIT $T5RUN
     run t5-sampled $LIMIT $T5RUN --temperature 0.8 --top-p 0.95
