@@ -9,6 +9,10 @@ Modes (``--modes``, a comma list):
              stop rules, finished outputs), for non-streamed requests (LLM.generate's path)
   stream     the same with every request streamed and detokenised each step (a fake
              tokenizer: this measures the engine's work, not a tokenizer's)
+  runner     engine mode with the REAL ModelRunner.launch/wait around a stubbed model on the CPU:
+             adds the runner's host staging (sampling states, placeholder sources, the decode
+             graph's staging buffers, sampler staging, output unpacking); no kernels run
+  eager      as runner, staging through the eager path (_prepare_decode) instead of the graph's
 
 The fake runner returns a token for every sequence at once; the overlap scheduler is on
 unless ``--no-overlap``. A finished request is replaced at once, as under a steady load,
@@ -21,6 +25,8 @@ import argparse
 import itertools
 import time
 
+import torch
+
 from enc2dec.engine.core.batch import ModelRunnerOutput, SampledToken
 from enc2dec.engine.core.request import Request, Sequence
 from enc2dec.engine.core.scheduler import Scheduler, SchedulerLimits
@@ -29,9 +35,13 @@ TOKEN = SampledToken(7, -0.5)
 
 
 def _request(i: int, output_len: int) -> Request:
+    from enc2dec.engine.runner.sampler import SeqSamplingState
+    from enc2dec.engine.sampling_params import SamplingParams
+
+    spec = SeqSamplingState(SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0), (1,), ())
     return Request(request_id=f"r{i}", encoder_len=128, encoder_input=[5] * 128,
                    seqs=[Sequence(token_ids=[0], num_hidden_tokens=1)], max_output_tokens=output_len,
-                   eos_token_ids=frozenset({1}), ignore_eos=True)
+                   sampling_params=spec, eos_token_ids=frozenset({1}), ignore_eos=True)
 
 
 def _scheduler(num_running: int, output_len: int) -> Scheduler:
@@ -67,13 +77,77 @@ class FakeTokenizer:
         return "x" * len(ids)
 
 
-def _engine(num_running: int, output_len: int, overlap: bool):
-    """An EngineCore around the fake runner, built without a model (only the step loop runs)."""
+class _StubModel:
+    """Returns zero hidden states and logits at once: only the host work around it is left."""
+
+    vocab = 64
+
+    def decode(self, input_ids, positions, meta, kv):
+        return torch.zeros(input_ids.shape[0], 8)
+
+    def compute_logits(self, hidden):
+        return torch.zeros(hidden.shape[0], self.vocab)
+
+    def encode(self, inputs, meta):
+        return None
+
+    def write_cross_kv(self, hidden, meta, kv):
+        pass
+
+
+class _CpuGraphs:
+    """DecodeGraphRunner's staging (fill_staging into two buffer sets, copy to the 'device'
+    buffers) on the CPU, without capture: replay hands back stub logits."""
+
+    def __new__(cls, max_b: int, tpb: int, max_dec: int, max_enc: int):
+        from enc2dec.engine.runner.cuda_graph import DecodeGraphRunner
+
+        g = object.__new__(DecodeGraphRunner)
+        g.device, g.sizes, g.max_b, g.tpb = torch.device("cpu"), [max_b], max_b, tpb
+        g.self_width, g.cross_width = -(-max_dec // tpb), -(-max_enc // tpb)
+        n32 = (max_b + 1) + 2 * max_b + max_b * (g.self_width + g.cross_width)
+        g._staging = [(torch.zeros(4 * max_b, dtype=torch.long), torch.zeros(n32, dtype=torch.int32)) for _ in range(2)]
+        g._turn = 0
+        g._dev64, g._dev32 = torch.zeros(4 * max_b, dtype=torch.long), torch.zeros(n32, dtype=torch.int32)
+        logits = torch.zeros(max_b, _StubModel.vocab)
+        g.graphs = {max_b: type("_NoGraph", (), {"replay": lambda self: None})()}
+        g.logits = {max_b: logits}
+        return g
+
+
+def _real_runner(num_running: int, output_len: int, graphs: bool):
+    from types import SimpleNamespace
+
+    from enc2dec.engine.runner.model_runner import ModelRunner
+    from enc2dec.engine.runner.sampler import Sampler
+
+    r = object.__new__(ModelRunner)
+    r.args = SimpleNamespace(enable_encoder_decoder_mixed_cuda_graph=False)
+    r.device, r.dtype, r.is_whisper, r.tokens_per_block = torch.device("cpu"), torch.float32, False, 32
+    r.model, r.kv, r.sampler, r.states = _StubModel(), None, Sampler(), {}
+    r._prev_tokens, r._prev_rows, r.encoder_graphs = None, {}, None
+    r.graphs = _CpuGraphs(num_running, 32, output_len + 32, 128) if graphs else None
+    return _CountingRunner(r)
+
+
+class _CountingRunner:
+    """Forwards to a real runner and remembers what the last step held (as FakeRunner does)."""
+
+    def __init__(self, runner):
+        self.runner, self.encoded, self.num_seqs = runner, False, 0
+
+    def launch(self, so):
+        self.encoded, self.num_seqs = bool(so.encodes), len(so.seqs)
+        return self.runner.launch(so)
+
+
+def _engine(num_running: int, output_len: int, overlap: bool, runner: str = "fake"):
+    """An EngineCore around the fake (or stub-model) runner, built without a model (only the step loop runs)."""
     from enc2dec.engine.engine_core import EngineCore
 
     core = object.__new__(EngineCore)
     core.scheduler = _scheduler(num_running, output_len)
-    core.runner = FakeRunner()
+    core.runner = FakeRunner() if runner == "fake" else _real_runner(num_running, output_len, runner == "runner")
     core.tokenizer = FakeTokenizer()
     core.overlap = overlap
     core._inflight = None
@@ -114,7 +188,7 @@ def measure(mode: str, num_running: int, num_steps: int, output_len: int, overla
                 sched.resolve(*pending)
             pending = (so, runner_out)
     else:
-        core = _engine(num_running, output_len, overlap)
+        core = _engine(num_running, output_len, overlap, mode if mode in ("runner", "eager") else "fake")
         sched, runner = core.scheduler, core.runner
 
         def add():
@@ -140,7 +214,9 @@ def measure(mode: str, num_running: int, num_steps: int, output_len: int, overla
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--running", default="64,128,256", help="running sequences, a comma list")
-    ap.add_argument("--modes", default="scheduler,engine,stream", help="scheduler, engine, stream: a comma list")
+    ap.add_argument("--modes", default="scheduler,engine,stream,runner,eager",
+                    help="scheduler, engine, stream, runner, eager: a comma list")
+    ap.add_argument("--profile", metavar="FILE", help="write a cProfile of all the runs to FILE")
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--no-overlap", action="store_true", help="wait for each step before the next")
@@ -148,11 +224,20 @@ def main(argv=None) -> None:
                     help="cpu: this process's CPU time, steadier than wall time on a shared machine")
     a = ap.parse_args(argv)
     clock = time.perf_counter if a.clock == "wall" else time.process_time
+    prof = None
+    if a.profile:
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
     print(f"{'mode':>9} {'running':>8} {'seqs/step':>9} {'us/step':>9} {'us/seq/step':>11}")
     for mode in a.modes.split(","):
         for n in (int(x) for x in a.running.split(",")):
             per_step_s, seqs = measure(mode, n, a.steps, a.output_len, not a.no_overlap, clock)
             print(f"{mode:>9} {n:>8} {seqs:>9} {per_step_s * 1e6:>9.0f} {per_step_s * 1e6 / max(1, seqs):>11.2f}")
+    if prof is not None:
+        prof.disable()
+        prof.dump_stats(a.profile)
 
 
 if __name__ == "__main__":
