@@ -21,7 +21,7 @@ from enc2dec.engine.runner.host_to_device import to_device
 from enc2dec.engine.core.kv_sizing import kv_bytes_per_token, plan_kv_pools
 from enc2dec.engine.runner.loader import load_model
 from enc2dec.engine.core.request import PLACEHOLDER_TOKEN_ID
-from enc2dec.engine.runner.sampler import BeamGroup, DeviceSample, Sampler, SeqSamplingState
+from enc2dec.engine.runner.sampler import BeamGroup, DeviceSample, Sampler, SeqSamplingState, all_plain_greedy
 from enc2dec.engine.runner.sampling_ops import stream_key
 
 logger = logging.getLogger("enc2dec")
@@ -267,12 +267,15 @@ class ModelRunner:
             hidden = self.model.decode(input_ids, positions, meta, self.kv)       # [N, d_model]
             logits = self.model.compute_logits(hidden[meta.last_token_indices])    # [S, vocab]
         states = [self._sampling_state(s) for s in so.seqs]
-        groups, beam_ids = _beam_groups(so.seqs, states)
-        beam_rows = [s for g in groups for s in so.seqs[g.start:g.start + g.num_rows]]
-        sample = self.sampler.sample(logits, states, [s.num_output_tokens for s in so.seqs], groups,
-                                     [s.cumulative_logprob for s in beam_rows],
-                                     [s.output_token_ids for s in so.seqs], [s.seq_id for s in so.seqs])
-        sample.prefix_rows, sample.prefix_vals = _prefix_logprobs(self.model, so.seqs, states, logits, hidden)
+        if all_plain_greedy(states):       # no beams, no prefix log-probs, nothing reads the rows' ids
+            sample, beam_ids = self.sampler.sample(logits, states, []), []
+        else:
+            groups, beam_ids = _beam_groups(so.seqs, states)
+            beam_rows = [s for g in groups for s in so.seqs[g.start:g.start + g.num_rows]]
+            sample = self.sampler.sample(logits, states, [s.num_output_tokens for s in so.seqs], groups,
+                                         [s.cumulative_logprob for s in beam_rows],
+                                         [s.output_token_ids for s in so.seqs], [s.seq_id for s in so.seqs])
+            sample.prefix_rows, sample.prefix_vals = _prefix_logprobs(self.model, so.seqs, states, logits, hidden)
         self._prev_tokens = sample.token_ids                                       # [S] stays on device
         self._prev_rows = {s.seq_id: i for i, s in enumerate(so.seqs)}
         event = None

@@ -14,6 +14,7 @@ arrive from the host with the step).
 from __future__ import annotations
 
 import functools
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +43,9 @@ class SeqSamplingState:
     masked_ids: tuple[int, ...] = field(default=())   # suppress list and bad_token_ids
     # Its chosen tokens go into the device-side history (penalties, history-reading rules).
     records_history: bool = field(default=False)
+    # Greedy with nothing to edit, record or report: its row is a bare argmax. A batch of only
+    # such rows (the common serving case) skips every per-row scan of the general path.
+    plain_greedy: bool = field(default=False)
 
     def __post_init__(self):
         # Decided once per request, not in every step.
@@ -50,6 +54,15 @@ class SeqSamplingState:
         self.masked_ids = tuple(sorted(set(self.suppress_token_ids) | set(p.bad_token_ids or ())))
         self.records_history = not p.use_beam_search and (p.has_penalties or any(
             getattr(fn, "batched", False) and getattr(fn, "reads_history", False) for fn in p.logits_processors or ()))
+        self.plain_greedy = (p.is_greedy and not p.logits_processors and not p.logit_bias and not p.has_penalties
+                             and not self.masked_ids and not self.begin_suppress_token_ids
+                             and (p.min_tokens == 0 or p.ignore_eos) and p.logprobs is None
+                             and not p.prefix_logprob_token_ids)
+
+
+def all_plain_greedy(states: list[SeqSamplingState]) -> bool:
+    """Whether every row is a bare argmax (None: a tensor-parallel worker's row, never sampled)."""
+    return all(st is not None and st.plain_greedy for st in states)
 
 
 @dataclass
@@ -273,6 +286,14 @@ class Sampler:
         ``histories``: each row's output ids where its request's Python processors read them
         (else None); ``seq_ids`` name the rows for the device-side history of batched rules."""
         # logits: [S, V] float32; num_output_tokens: tokens each row has produced so far
+        if not beam_groups and all_plain_greedy(states):
+            return DeviceSample(logits.argmax(dim=-1), [None] * len(states))
+        if not beam_groups and all(map(_is_simple, states)):     # the common step: only the choice
+            chosen = logits.argmax(dim=-1)                                  # [S]
+            sampled = [r for r, st in enumerate(states) if st.is_random]
+            if sampled:
+                chosen = self._sample(logits, chosen, states, num_output_tokens, sampled)
+            return DeviceSample(chosen, [None] * len(states))
         histories = histories if histories is not None else [None] * len(states)
         beams = None
         if beam_groups:
@@ -317,8 +338,7 @@ class Sampler:
             logits = _apply_logits_processors(logits, states, num_output_tokens, processed, histories,
                                               owned=logits is not model_logits)
         chosen = logits.argmax(dim=-1)                                      # [S]
-        sampled = [r for r, st in enumerate(states)                         # beams: no RNG
-                   if not (st.params.is_greedy or st.params.use_beam_search)]
+        sampled = [r for r, st in enumerate(states) if st.is_random]      # beams: no RNG
         if sampled:
             chosen = self._sample(logits, chosen, states, num_output_tokens, sampled)
         if recorded:
@@ -347,16 +367,15 @@ class Sampler:
         whole = order == list(range(logits.shape[0]))
         idx = None if whole else to_device(order, torch.long, dev)
         sub = logits if whole else logits.index_select(0, idx)                 # [R, V]
-        # Every row's parameters in two staged copies per step.
-        p = [states[r].params for r in order]
-        floats = to_device([[x.temperature if x.temperature is not None else 1.0,
-                             x.top_p if x.top_p is not None else 1.0, x.min_p or 0.0] for x in p],
-                           torch.float32, dev)                                 # [R, 3]
-        ints = to_device([[x.top_k or 0, *(states[r].stream or (0, 0)), num_output_tokens[r]]
-                          for x, r in zip(p, order)], torch.long, dev)         # [R, 4]
+        # Every row's parameters in two staged copies per step (the per-row values were worked
+        # out when the request joined).
+        rows = [states[r] for r in order]
+        floats = to_device([st.float_params for st in rows], torch.float32, dev)      # [R, 3]
+        ints = to_device([(st.params.top_k or 0, *(st.stream or (0, 0)), num_output_tokens[r])
+                          for st, r in zip(rows, order)], torch.long, dev)           # [R, 4]
         sub = sub.float() / floats[:, :1]
         filters = None
-        if any(x.top_k or x.top_p not in (None, 1.0) or x.min_p for x in p):   # decided on the host
-            filters = (ints[:, 0], floats[:, 1], floats[:, 2], max(x.top_k or 0 for x in p))
+        if any(st.has_filters for st in rows):                                 # decided on the host
+            filters = (ints[:, 0], floats[:, 1], floats[:, 2], max(st.params.top_k or 0 for st in rows))
         drawn = race(sub, ints[:len(seeded), 1:], len(seeded), filters)       # [R]
         return drawn if whole else chosen.index_copy(0, idx, drawn)
