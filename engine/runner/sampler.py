@@ -14,7 +14,6 @@ arrive from the host with the step).
 from __future__ import annotations
 
 import functools
-import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -46,6 +45,11 @@ class SeqSamplingState:
     # Greedy with nothing to edit, record or report: its row is a bare argmax. A batch of only
     # such rows (the common serving case) skips every per-row scan of the general path.
     plain_greedy: bool = field(default=False)
+    # As plain_greedy, but the row may draw at random: the step needs only the choice.
+    simple: bool = field(default=False)
+    is_random: bool = field(default=False)            # draws (not greedy, not beam search)
+    has_filters: bool = field(default=False)          # top-k, top-p or min-p cut its distribution
+    float_params: tuple[float, float, float] = field(default=(1.0, 1.0, 0.0))   # temperature, top_p, min_p
 
     def __post_init__(self):
         # Decided once per request, not in every step.
@@ -58,6 +62,17 @@ class SeqSamplingState:
                              and not self.masked_ids and not self.begin_suppress_token_ids
                              and (p.min_tokens == 0 or p.ignore_eos) and p.logprobs is None
                              and not p.prefix_logprob_token_ids)
+        self.is_random = not (p.is_greedy or p.use_beam_search)
+        self.simple = self.is_random and not p.logits_processors and not p.logit_bias and not p.has_penalties \
+            and not self.masked_ids and not self.begin_suppress_token_ids and (p.min_tokens == 0 or p.ignore_eos) \
+            and p.logprobs is None and not p.prefix_logprob_token_ids or self.plain_greedy
+        self.has_filters = bool(p.top_k or p.top_p not in (None, 1.0) or p.min_p)
+        self.float_params = (p.temperature if p.temperature is not None else 1.0,
+                             p.top_p if p.top_p is not None else 1.0, p.min_p or 0.0)
+
+
+def _is_simple(st: SeqSamplingState | None) -> bool:
+    return st is not None and st.simple
 
 
 def all_plain_greedy(states: list[SeqSamplingState]) -> bool:
