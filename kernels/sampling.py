@@ -167,7 +167,7 @@ def _rejection_rounds(base, vocab, row0, row1, shift, total, top_p, min_p, winne
 # row still undecided after them finishes in the per-row kernel (rare: each round rejects
 # only a winner in the tail of the filtered mass).
 SPLIT_ROUNDS = 2
-SPLIT_TARGET_WAVES = 2      # aim for this many programs per SM
+SPLIT_TARGET_WAVES = 4      # programs per SM to aim for: 4-warp programs need several to hide the hash math
 MIN_SPLIT_BLOCKS = 4        # a chunk shorter than this many blocks costs more in merging than it saves
 
 
