@@ -9,6 +9,10 @@ score and keeps a running per-lane maximum; one reduction at the end picks the r
 winner, the lowest token id on a tie (as ``torch.argmax``). The integer bits are exact on
 every device; the two logs may differ from torch's by an ulp, so kernel and reference can
 disagree only where two tokens' race values tie within float rounding.
+
+A small batch leaves most SMs idle with one program per row, so ``filtered_race`` then cuts
+each row into chunks, one program each, and merges per-chunk partials between passes
+(``race_splits`` picks the count; see the split kernels below).
 """
 from __future__ import annotations
 
