@@ -166,7 +166,7 @@ def _rejection_rounds(base, vocab, row0, row1, shift, total, top_p, min_p, winne
 # merge keeps the single program's answer: the race value of every token is computed alike,
 # and the lowest token id among the chunks' best values is the lowest among the row's. Only
 # the masses are summed in another order (a float rounding apart). A round's state (winner,
-# its score, the top-k mass, the shift, done) goes to its own buffer slot, written by
+# its score, the top-k mass, done) goes to its own buffer slot, written by
 # chunk 0, so no launch reads what it writes. SPLIT_ROUNDS rejection rounds run split; a
 # row still undecided after them finishes in the per-row kernel (rare: each round rejects
 # only a winner in the tail of the filtered mass).
