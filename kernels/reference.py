@@ -229,6 +229,7 @@ def filter_scores_ref(scores: torch.Tensor, floor: torch.Tensor, top_p: torch.Te
 
 def filtered_race_ref(scores: torch.Tensor, floor: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
                       seeded_keys: torch.Tensor, fresh_keys: torch.Tensor | None = None,
-                      block: int | None = None) -> torch.Tensor:
-    """The race over each row's filtered scores: ``gumbel_race_ref(filter_scores_ref(...))``."""
+                      block: int | None = None, splits: int | None = None) -> torch.Tensor:
+    """The race over each row's filtered scores: ``gumbel_race_ref(filter_scores_ref(...))``.
+    ``block`` and ``splits`` only steer the kernel and are ignored here."""
     return gumbel_race_ref(filter_scores_ref(scores, floor, top_p, min_p), seeded_keys, fresh_keys)

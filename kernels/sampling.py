@@ -9,8 +9,14 @@ score and keeps a running per-lane maximum; one reduction at the end picks the r
 winner, the lowest token id on a tie (as ``torch.argmax``). The integer bits are exact on
 every device; the two logs may differ from torch's by an ulp, so kernel and reference can
 disagree only where two tokens' race values tie within float rounding.
+
+A small batch leaves most SMs idle with one program per row, so ``filtered_race`` then cuts
+each row into chunks, one program each, and merges per-chunk partials between passes
+(``race_splits`` picks the count; see the split kernels below).
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -78,18 +84,19 @@ def _gumbel_race_kernel(scores_ptr, seeded_ptr, fresh_ptr, out_ptr, vocab, num_s
 
 
 @lazy_jit.helper
-def _masked_race(base, vocab, row0, row1, shift, floor, pivot_score, pivot, BEFORE: tl.constexpr,
+def _masked_race(base, lo, hi, vocab, row0, row1, shift, floor, pivot_score, pivot, BEFORE: tl.constexpr,
                  BLOCK: tl.constexpr):
-    # One pass over the row: the mass (exp(score - shift)) of the tokens kept, their race
-    # winner and its score. Kept: BEFORE=False those at or above the top-k ``floor``; BEFORE=True
-    # those ranked before ``pivot`` (score descending, token id ascending on ties).
+    # One pass over tokens [lo, hi) of the row: the mass (exp(score - shift)) of the tokens
+    # kept, their race winner (lowest id on a tie; ``lo`` when none is kept) and its race
+    # value. Kept: BEFORE=False those at or above the top-k ``floor``; BEFORE=True those
+    # ranked before ``pivot`` (score descending, token id ascending on ties).
     lanes = tl.arange(0, BLOCK)
     mass = tl.zeros((BLOCK,), tl.float32)
     best = tl.full((BLOCK,), float("-inf"), tl.float32)
-    best_id = lanes
-    for start in range(0, vocab, BLOCK):
+    best_id = lo + lanes
+    for start in range(lo, hi, BLOCK):
         tokens = start + lanes
-        s = tl.load(base + tokens, mask=tokens < vocab, other=float("-inf")).to(tl.float32)
+        s = tl.load(base + tokens, mask=tokens < hi, other=float("-inf")).to(tl.float32)
         if BEFORE:
             keep = (s > pivot_score) | ((s == pivot_score) & (tokens < pivot))
         else:
@@ -101,7 +108,7 @@ def _masked_race(base, vocab, row0, row1, shift, floor, pivot_score, pivot, BEFO
         best_id = tl.where(better, tokens, best_id)
     top = tl.max(best, axis=0)
     winner = tl.min(tl.where(best == top, best_id, vocab), axis=0)
-    return tl.sum(mass, axis=0), winner, tl.load(base + winner).to(tl.float32)
+    return tl.sum(mass, axis=0), winner, top
 
 
 @lazy_jit(do_not_specialize=("num_seeded",))
@@ -130,15 +137,170 @@ def _filtered_race_kernel(scores_ptr, floor_ptr, top_p_ptr, min_p_ptr, seeded_pt
     top = tl.max(lane_max, axis=0)
     shift = tl.where(top > float("-inf"), top, 0.0)      # an all -inf row keeps its scores
     # The top-k set's mass (unnormalised, relative to the most likely) and its race winner.
-    total, winner, win_score = _masked_race(base, vocab, row0, row1, shift, floor, 0.0, 0, False, BLOCK)
+    total, winner, _ = _masked_race(base, 0, vocab, vocab, row0, row1, shift, floor, 0.0, 0, False, BLOCK)
+    win_score = tl.load(base + winner).to(tl.float32)
     done = (top == float("-inf")) | ((tl.exp(win_score - shift) >= min_p) & (top_p >= 1.0))
+    winner, win_score = _rejection_rounds(base, vocab, row0, row1, shift, total, top_p, min_p, winner, win_score,
+                                          done, BLOCK)
+    tl.store(out_ptr + row, winner.to(tl.int64))
+
+
+@lazy_jit.helper
+def _rejection_rounds(base, vocab, row0, row1, shift, total, top_p, min_p, winner, win_score, done,
+                      BLOCK: tl.constexpr):
+    # Whole-row rejection rounds from an undecided winner until one is kept.
     while not done:
-        before, next_winner, next_score = _masked_race(base, vocab, row0, row1, shift, floor, win_score, winner,
-                                                       True, BLOCK)
+        before, next_winner, _ = _masked_race(base, 0, vocab, vocab, row0, row1, shift, 0.0, win_score, winner,
+                                              True, BLOCK)
         kept = (tl.exp(win_score - shift) >= min_p) & ((top_p >= 1.0) | (before < top_p * total))
         done = kept
         if not kept:
-            winner, win_score = next_winner, next_score
+            winner, win_score = next_winner, tl.load(base + next_winner).to(tl.float32)
+    return winner, win_score
+
+
+# The split race: each row's vocabulary cut into SPLITS chunks of whole blocks, one program
+# per (row, chunk), so a small batch still fills the GPU. Every pass writes per-chunk
+# partials (max; kept mass, race winner and its race value) and the next launch merges its
+# row's partials itself (SPLITS values), so no pass needs a merge kernel of its own. The
+# merge keeps the single program's answer: the race value of every token is computed alike,
+# and the lowest token id among the chunks' best values is the lowest among the row's. Only
+# the masses are summed in another order (a float rounding apart). A round's state (winner,
+# its score, the top-k mass, done) goes to its own buffer slot, written by
+# chunk 0, so no launch reads what it writes. SPLIT_ROUNDS rejection rounds run split; a
+# row still undecided after them finishes in the per-row kernel (rare: each round rejects
+# only a winner in the tail of the filtered mass).
+SPLIT_ROUNDS = 2
+SPLIT_TARGET_WAVES = 4      # programs per SM to aim for: 4-warp programs need several to hide the hash math
+MIN_SPLIT_BLOCKS = 4        # a chunk shorter than this many blocks costs more in merging than it saves
+
+
+@lazy_jit.helper
+def _chunk_bounds(chunk, vocab):
+    lo = tl.program_id(1) * chunk
+    return lo, tl.minimum(lo + chunk, vocab)
+
+
+@lazy_jit(do_not_specialize=("chunk",))
+def _split_max_kernel(scores_ptr, max_ptr, vocab, chunk, stride_s, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = scores_ptr + row * stride_s
+    lo, hi = _chunk_bounds(chunk, vocab)
+    lanes = tl.arange(0, BLOCK)
+    lane_max = tl.full((BLOCK,), float("-inf"), tl.float32)
+    for start in range(lo, hi, BLOCK):
+        tokens = start + lanes
+        s = tl.load(base + tokens, mask=tokens < vocab, other=float("-inf")).to(tl.float32)
+        lane_max = tl.maximum(lane_max, s)
+    tl.store(max_ptr + row * SPLITS + tl.program_id(1), tl.max(lane_max, axis=0))
+
+
+@lazy_jit.helper
+def _row_shift(max_ptr, row, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr):
+    k = tl.arange(0, SPLITS_P2)
+    top = tl.max(tl.load(max_ptr + row * SPLITS + k, mask=k < SPLITS, other=float("-inf")), axis=0)
+    return top, tl.where(top > float("-inf"), top, 0.0)      # an all -inf row keeps its scores
+
+
+@lazy_jit.helper
+def _merge_partials(part_f, part_i, row, vocab, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr):
+    # a pass's per-chunk (mass, race value) and winner -> the row's mass and winner
+    k = tl.arange(0, SPLITS_P2)
+    in_row = k < SPLITS
+    slot = row * SPLITS + k
+    mass = tl.sum(tl.load(part_f + 2 * slot, mask=in_row, other=0.0), axis=0)
+    value = tl.load(part_f + 2 * slot + 1, mask=in_row, other=float("-inf"))
+    ids = tl.load(part_i + slot, mask=in_row, other=vocab)
+    best = tl.max(value, axis=0)
+    return mass, tl.min(tl.where(value == best, ids, vocab), axis=0)
+
+
+@lazy_jit.helper
+def _split_state(base, row, vocab, top_p, min_p, max_ptr, prev_f, prev_i, state_in_f, state_in_i,
+                 AFTER_FLOOR: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr):
+    # The row's state after the previous pass: (winner, its score, top-k mass, shift, done).
+    # AFTER_FLOOR: that pass raced the top-k set; else it was a rejection round from
+    # state_in, whose partials exist only where state_in was undecided.
+    top, shift = _row_shift(max_ptr, row, SPLITS, SPLITS_P2)
+    mass, next_winner = _merge_partials(prev_f, prev_i, row, vocab, SPLITS, SPLITS_P2)
+    if AFTER_FLOOR:
+        total = mass
+        winner = next_winner
+        win_score = tl.load(base + winner).to(tl.float32)
+        done = (top == float("-inf")) | ((tl.exp(win_score - shift) >= min_p) & (top_p >= 1.0))
+    else:
+        winner = tl.load(state_in_i + row * 2)
+        was_done = tl.load(state_in_i + row * 2 + 1) != 0
+        win_score = tl.load(state_in_f + row * 2)
+        total = tl.load(state_in_f + row * 2 + 1)
+        kept = (tl.exp(win_score - shift) >= min_p) & ((top_p >= 1.0) | (mass < top_p * total))
+        reject = ~(was_done | kept)
+        winner = tl.where(reject, next_winner, winner)
+        win_score = tl.load(base + winner).to(tl.float32)
+        done = was_done | kept
+    return winner, win_score, total, shift, done
+
+
+@lazy_jit(do_not_specialize=("num_seeded", "chunk"))
+def _split_floor_kernel(scores_ptr, floor_ptr, max_ptr, seeded_ptr, fresh_ptr, part_f, part_i, vocab, chunk,
+                        num_seeded, stride_s, stride_seeded, stride_fresh, SPLITS: tl.constexpr,
+                        SPLITS_P2: tl.constexpr, BLOCK: tl.constexpr):
+    # each chunk's share of the top-k set: its mass and race winner
+    row = tl.program_id(0).to(tl.int64)
+    base = scores_ptr + row * stride_s
+    row0, row1 = _row_words(seeded_ptr, fresh_ptr, row, num_seeded, stride_seeded, stride_fresh)
+    _, shift = _row_shift(max_ptr, row, SPLITS, SPLITS_P2)
+    lo, hi = _chunk_bounds(chunk, vocab)
+    mass, winner, value = _masked_race(base, lo, hi, vocab, row0, row1, shift, tl.load(floor_ptr + row), 0.0, 0,
+                                       False, BLOCK)
+    slot = row * SPLITS + tl.program_id(1)
+    tl.store(part_f + 2 * slot, mass)
+    tl.store(part_f + 2 * slot + 1, value)
+    tl.store(part_i + slot, winner)
+
+
+@lazy_jit(do_not_specialize=("num_seeded", "chunk"))
+def _split_round_kernel(scores_ptr, top_p_ptr, min_p_ptr, max_ptr, seeded_ptr, fresh_ptr, prev_f, prev_i,
+                        state_in_f, state_in_i, state_f, state_i, part_f, part_i, vocab, chunk, num_seeded,
+                        stride_s, stride_seeded, stride_fresh, AFTER_FLOOR: tl.constexpr, SPLITS: tl.constexpr,
+                        SPLITS_P2: tl.constexpr, BLOCK: tl.constexpr):
+    # one rejection round: each chunk's mass before the undecided winner and its next winner
+    row = tl.program_id(0).to(tl.int64)
+    base = scores_ptr + row * stride_s
+    winner, win_score, total, shift, done = _split_state(
+        base, row, vocab, tl.load(top_p_ptr + row), tl.load(min_p_ptr + row), max_ptr, prev_f, prev_i,
+        state_in_f, state_in_i, AFTER_FLOOR, SPLITS, SPLITS_P2)
+    if tl.program_id(1) == 0:
+        tl.store(state_i + row * 2, winner)
+        tl.store(state_i + row * 2 + 1, done.to(tl.int32))
+        tl.store(state_f + row * 2, win_score)
+        tl.store(state_f + row * 2 + 1, total)
+    if not done:
+        row0, row1 = _row_words(seeded_ptr, fresh_ptr, row, num_seeded, stride_seeded, stride_fresh)
+        lo, hi = _chunk_bounds(chunk, vocab)
+        mass, next_winner, value = _masked_race(base, lo, hi, vocab, row0, row1, shift, 0.0, win_score, winner,
+                                                True, BLOCK)
+        slot = row * SPLITS + tl.program_id(1)
+        tl.store(part_f + 2 * slot, mass)
+        tl.store(part_f + 2 * slot + 1, value)
+        tl.store(part_i + slot, next_winner)
+
+
+@lazy_jit(do_not_specialize=("num_seeded",))
+def _split_finish_kernel(scores_ptr, top_p_ptr, min_p_ptr, max_ptr, seeded_ptr, fresh_ptr, prev_f, prev_i,
+                         state_in_f, state_in_i, out_ptr, vocab, num_seeded, stride_s, stride_seeded, stride_fresh,
+                         AFTER_FLOOR: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    # the last split pass's verdict; a row still undecided goes on round by round alone
+    row = tl.program_id(0).to(tl.int64)
+    base = scores_ptr + row * stride_s
+    top_p = tl.load(top_p_ptr + row)
+    min_p = tl.load(min_p_ptr + row)
+    winner, win_score, total, shift, done = _split_state(base, row, vocab, top_p, min_p, max_ptr, prev_f, prev_i,
+                                                         state_in_f, state_in_i, AFTER_FLOOR, SPLITS, SPLITS_P2)
+    row0, row1 = _row_words(seeded_ptr, fresh_ptr, row, num_seeded, stride_seeded, stride_fresh)
+    winner, win_score = _rejection_rounds(base, vocab, row0, row1, shift, total, top_p, min_p, winner, win_score,
+                                          done, BLOCK)
     tl.store(out_ptr + row, winner.to(tl.int64))
 
 
@@ -185,11 +347,12 @@ def _launch_args(scores, seeded_keys, fresh_keys):
 
 def filtered_race(scores: torch.Tensor, floor: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
                   seeded_keys: torch.Tensor, fresh_keys: torch.Tensor | None = None,
-                  block: int = BLOCK) -> torch.Tensor:
+                  block: int = BLOCK, splits: int | None = None) -> torch.Tensor:
     """``gumbel_race`` over each row's tokens that survive its top-k ``floor`` (from
     ``reference.top_k_floor_ref``), ``top_p`` and ``min_p`` ([R] float32 each): the same
     token as ``reference.filtered_race_ref``, with no sort, softmax or [R, V] temporary.
-    Keys as for ``gumbel_race``. -> [R] int64."""
+    Keys as for ``gumbel_race``. -> [R] int64. ``block`` and ``splits`` (programs per row;
+    ``None``: ``race_splits``' choice) only steer the kernels."""
     tensors = (scores, floor, top_p, min_p, seeded_keys, *(() if fresh_keys is None else (fresh_keys,)))
     if not can_use_triton(*tensors):
         return filtered_race_ref(scores, floor, top_p, min_p, seeded_keys, fresh_keys)
@@ -203,7 +366,62 @@ def filtered_race(scores: torch.Tensor, floor: torch.Tensor, top_p: torch.Tensor
         return out
     scores, seeded, fresh = _launch_args(scores, seeded_keys, fresh_keys)
     floor, top_p, min_p = (t.float().contiguous() for t in (floor, top_p, min_p))
-    _filtered_race_kernel[(rows,)](scores, floor, top_p, min_p, seeded, fresh, out, vocab, num_seeded,
-                                   scores.stride(0), seeded.stride(0), fresh.stride(0),
-                                   BLOCK=block, num_warps=NUM_WARPS)
+    if splits is None:
+        splits = race_splits(rows, vocab, block, scores.device)
+    if splits <= 1:
+        _filtered_race_kernel[(rows,)](scores, floor, top_p, min_p, seeded, fresh, out, vocab, num_seeded,
+                                       scores.stride(0), seeded.stride(0), fresh.stride(0),
+                                       BLOCK=block, num_warps=NUM_WARPS)
+        return out
+    _split_filtered_race(scores, floor, top_p, min_p, seeded, fresh, out, num_seeded, block, splits)
     return out
+
+
+def race_splits(rows: int, vocab: int, block: int = BLOCK, device: torch.device | None = None) -> int:
+    """Programs per row for ``filtered_race``: enough for ``SPLIT_TARGET_WAVES`` programs per SM
+    (a power of two, so few kernel variants), none shorter than ``MIN_SPLIT_BLOCKS`` blocks;
+    1 (the per-row kernel) once the rows alone fill the GPU."""
+    want = SPLIT_TARGET_WAVES * _sm_count(device) // max(rows, 1)
+    most = -(-vocab // block) // MIN_SPLIT_BLOCKS
+    splits = min(want, most)
+    return 1 << (splits.bit_length() - 1) if splits > 1 else 1
+
+
+@functools.cache
+def _sm_count_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sm_count(device: torch.device | None) -> int:
+    if device is None or device.type != "cuda":
+        return 132          # the H200's, for the interpreter and for planning on a host without a GPU
+    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _split_filtered_race(scores, floor, top_p, min_p, seeded, fresh, out, num_seeded, block, splits):
+    # Launches (rows x splits programs each): chunk maxima; the top-k race; SPLIT_ROUNDS
+    # rejection rounds; then one program per row for the verdict. A fixed sequence for given
+    # shapes: rows decided early skip their passes on the device, so no host sync.
+    rows, vocab = scores.shape
+    chunk = -(-(-(-vocab // block)) // splits) * block          # whole blocks per chunk
+    rounds = SPLIT_ROUNDS
+    dev = scores.device
+    part_max = torch.empty(rows, splits, dtype=torch.float32, device=dev)
+    part_f = torch.empty(rounds + 1, rows, splits, 2, dtype=torch.float32, device=dev)   # (mass, race value)
+    part_i = torch.empty(rounds + 1, rows, splits, dtype=torch.int32, device=dev)        # chunk winner
+    state_f = torch.empty(rounds + 1, rows, 2, dtype=torch.float32, device=dev)          # (winner's score, top-k mass)
+    state_i = torch.empty(rounds + 1, rows, 2, dtype=torch.int32, device=dev)            # (winner, done)
+    strides = (scores.stride(0), seeded.stride(0), fresh.stride(0))
+    meta = dict(SPLITS=splits, SPLITS_P2=1 << (splits - 1).bit_length(), BLOCK=block, num_warps=NUM_WARPS)
+    grid = (rows, splits)
+    _split_max_kernel[grid](scores, part_max, vocab, chunk, scores.stride(0), SPLITS=splits, BLOCK=block,
+                            num_warps=NUM_WARPS)
+    _split_floor_kernel[grid](scores, floor, part_max, seeded, fresh, part_f[0], part_i[0], vocab, chunk,
+                              num_seeded, *strides, **meta)
+    for r in range(1, rounds + 1):
+        _split_round_kernel[grid](scores, top_p, min_p, part_max, seeded, fresh, part_f[r - 1], part_i[r - 1],
+                                  state_f[r - 1], state_i[r - 1], state_f[r], state_i[r], part_f[r], part_i[r],
+                                  vocab, chunk, num_seeded, *strides, AFTER_FLOOR=r == 1, **meta)
+    _split_finish_kernel[(rows,)](scores, top_p, min_p, part_max, seeded, fresh, part_f[rounds], part_i[rounds],
+                                  state_f[rounds], state_i[rounds], out, vocab, num_seeded, *strides,
+                                  AFTER_FLOOR=rounds == 0, **meta)

@@ -216,6 +216,61 @@ def test_filtered_race_cuda_matches_reference(rows, vocab):
     assert mismatched <= 3 * rows // 100, f"{mismatched} of {3 * rows} rows differ from the reference"
 
 
+def _filtered_case(rows, vocab, seed):
+    # bf16-rounded logits (ties), per-row top-k / top-p / min-p as the sampler stages them
+    scores, keys = _race_case(rows, vocab, seed)
+    scores = scores.bfloat16().float() / 0.8
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    top_k = torch.where(torch.rand(rows, device="cuda", generator=g) < 0.3,
+                        torch.randint(1, 100, (rows,), device="cuda", generator=g), 0)
+    top_p = torch.where(torch.rand(rows, device="cuda", generator=g) < 0.7,
+                        torch.rand(rows, device="cuda", generator=g) * 0.99 + 0.01, 1.0)
+    min_p = torch.where(torch.rand(rows, device="cuda", generator=g) < 0.2, 0.05, 0.0)
+    return scores, ref.top_k_floor_ref(scores, top_k, 100), top_p, min_p, keys
+
+
+@pytest.mark.parametrize("rows,vocab", [(64, 32128), (256, 51866)])
+@pytest.mark.parametrize("splits", [None, 2, 8])
+def test_split_filtered_race_cuda_equals_the_per_row_kernel(rows, vocab, splits):
+    # The split race merges per-chunk partials; its tokens must be the per-row kernel's
+    # (the same race values and tie rule; only masses summed in another order) and the
+    # reference's up to exp's last-ulp differences on a filter boundary.
+    from enc2dec.kernels.sampling import filtered_race
+
+    mismatched = 0
+    for seed in range(3):
+        scores, floor, top_p, min_p, keys = _filtered_case(rows, vocab, seed)
+        per_row = filtered_race(scores, floor, top_p, min_p, keys[:rows // 3], keys[rows // 3:], splits=1)
+        got = filtered_race(scores, floor, top_p, min_p, keys[:rows // 3], keys[rows // 3:], splits=splits)
+        assert torch.equal(got, per_row)
+        mismatched += int((got != ref.filtered_race_ref(scores, floor, top_p, min_p, keys)).sum())
+    assert mismatched <= 3 * rows // 100, f"{mismatched} of {3 * rows} rows differ from the reference"
+
+
+@pytest.mark.parametrize("rows,vocab", [(64, 32128), (256, 51866)])
+def test_split_filtered_race_cuda_runs_in_a_graph_without_syncs(rows, vocab):
+    from enc2dec.kernels.sampling import filtered_race
+
+    scores, floor, top_p, min_p, keys = _filtered_case(rows, vocab, seed=4)
+    want = filtered_race(scores, floor, top_p, min_p, keys, splits=1)
+    torch.cuda.synchronize()
+    with syncs_raise():
+        queue_busy_work(10)
+        eager = filtered_race(scores, floor, top_p, min_p, keys, splits=4)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        filtered_race(scores, floor, top_p, min_p, keys, splits=4)        # warm-up: compile outside capture
+        with torch.cuda.graph(graph, stream=stream):
+            captured = filtered_race(scores, floor, top_p, min_p, keys, splits=4)
+    torch.cuda.current_stream().wait_stream(stream)
+    assert torch.equal(eager, want)
+    keys.copy_(keys.flip(0))                                               # new inputs, same graph
+    graph.replay()
+    assert torch.equal(captured, filtered_race(scores, floor, top_p, min_p, keys, splits=1))
+
+
 def test_sampled_step_cuda_does_not_sync():
     from enc2dec.engine.runner.sampling_ops import race
 

@@ -211,3 +211,86 @@ def test_filtered_race_follows_the_filtered_softmax(path):
         return
     chi2, dof = _chi2(ids, kept)
     assert chi2 < CHI2_CRITICAL[dof], f"chi2={chi2:.1f} with {dof} degrees of freedom"
+
+
+def _rounds_needed(scores, floor, top_p, min_p, keys) -> list[int]:
+    """Per row, the rejection rounds the kernel's search takes to its winner (a torch replay:
+    race the top-k set, then race again over the tokens before a winner the filters drop)."""
+    kept = ref.filter_scores_ref(scores, floor, top_p, min_p)
+    value = scores.float() - (-ref.race_uniform_ref(keys, scores.shape[1]).log()).log()
+    rounds = []
+    for r in range(scores.shape[0]):
+        s, v = scores[r].float(), value[r]
+        in_set = s >= floor[r]
+        n = 0
+        while True:
+            w = int(torch.where(in_set, v, torch.full_like(v, float("-inf"))).argmax())
+            if bool(torch.isfinite(kept[r, w])) or not bool(torch.isfinite(s).any()):
+                break
+            ids = torch.arange(s.numel(), device=s.device)
+            in_set = in_set & ((s > s[w]) | ((s == s[w]) & (ids < w)))
+            n += 1
+        rounds.append(n)
+    return rounds
+
+
+def split_case(rows: int, vocab: int, seed: int):
+    """``filter_case`` plus rows that stress the split race: coarse ties across chunk edges
+    under a tight top-p (several rejection rounds), top-k wider than a chunk, the only
+    survivor in the last chunk, and a row with nothing left."""
+    scores, top_k, top_p, min_p = filter_case(rows, vocab, seed)
+    g = torch.Generator().manual_seed(100 + seed)
+    scores[3] = torch.randint(0, 2, (vocab,), generator=g).float().to(DEVICE)   # 2 levels: ties everywhere
+    top_p[3], top_k[3], min_p[3] = 0.02, 0, 0.0
+    scores[4] = float("-inf")
+    scores[4, vocab - 5:] = 2.0                                               # only the last chunk, all tied
+    top_p[4], top_k[4] = 0.5, 2
+    scores[5] = float("-inf")
+    top_k[6] = vocab // 2                                                     # top-k over several chunks
+    top_p[6], min_p[6] = 0.1, 0.0
+    return scores, top_k, top_p, min_p
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("splits", [2, 3, 7], ids=["2 chunks", "3 uneven chunks", "7 chunks, 2 empty"])
+def test_split_filtered_race_tokens_equal_the_reference(splits, monkeypatch):
+    # vocab 300 in blocks of 32: 10 blocks; 7 chunks of 2 blocks leave the last two empty
+    rows, vocab, block = 7, 300, 32
+    several = False
+    for seed in range(2):
+        scores, top_k, top_p, min_p = split_case(rows, vocab, seed)
+        floor = ref.top_k_floor_ref(scores, top_k, vocab // 2)
+        keys = keys_of(rows, seed=seed)
+        want = ref.filtered_race_ref(scores, floor, top_p, min_p, keys)
+        per_row = sampling.filtered_race(scores, floor, top_p, min_p, keys[:2], keys[2:], block=block, splits=1)
+        got = sampling.filtered_race(scores, floor, top_p, min_p, keys[:2], keys[2:], block=block, splits=splits)
+        assert got.tolist() == want.tolist() == per_row.tolist()
+        assert got[4] >= vocab - 5 and got[5] == 0
+        several |= max(_rounds_needed(scores, floor, top_p, min_p, keys)) > sampling.SPLIT_ROUNDS
+    assert several, "no row outlasted the split rounds: the per-row finish went untested"
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("split_rounds", [0, 1, 4])
+def test_split_filtered_race_with_any_number_of_split_rounds(split_rounds, monkeypatch):
+    # The rounds run split and those left to the per-row finish must hand over exactly.
+    monkeypatch.setattr(sampling, "SPLIT_ROUNDS", split_rounds)
+    rows, vocab, block = 7, 200, 16
+    scores, top_k, top_p, min_p = split_case(rows, vocab, seed=5)
+    floor = ref.top_k_floor_ref(scores, top_k, vocab // 2)
+    keys = keys_of(rows, seed=5)
+    rounds = _rounds_needed(scores, floor, top_p, min_p, keys)
+    assert max(rounds) >= 3 and min(rounds) == 0, rounds
+    want = ref.filtered_race_ref(scores, floor, top_p, min_p, keys)
+    got = sampling.filtered_race(scores, floor, top_p, min_p, keys, block=block, splits=4)
+    assert got.tolist() == want.tolist()
+
+
+def test_split_choice_fills_the_gpu_but_keeps_chunks_long():
+    # planning only (no kernel): few rows get several programs each, many rows one
+    assert sampling.race_splits(64, 32128) > 1
+    assert sampling.race_splits(4096, 32128) == 1
+    for rows in (1, 8, 64, 128):
+        splits = sampling.race_splits(rows, 32128)
+        assert -(-32128 // sampling.BLOCK) // splits >= sampling.MIN_SPLIT_BLOCKS
+    assert sampling.race_splits(1, 300, block=64) == 1          # 5 blocks: too short to split
