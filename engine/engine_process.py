@@ -7,13 +7,14 @@ steps; the parent keeps HTTP, SSE formatting and the public handles.
 
 Wire (``multiprocessing.connection`` pipe, pickle protocol 5), parent -> child:
 ``("add", id, [(request_id, inputs, params, streaming), ...])``, ``("abort", request_id)``,
-``("call", id, fn)``, ``("stats", id)``, ``("shutdown",)``. Child -> parent:
+``("call", id, fn)``, ``("shutdown",)``. Child -> parent:
 ``("ready", EngineSnapshot)`` or ``("failed", exception)`` once, then ``("reply", id, ok,
-value)`` for the calls that wait, and ``("out", [delta, ...])``, ONE message per engine step
-holding every request's new tokens, text and logprobs, never the cumulative lists (those
-would make a stream of L tokens cost O(L^2) on the wire). The parent rebuilds cumulative
-``RequestOutput`` objects from the deltas, so callers see exactly what the in-process
-``LLM`` gives them.
+value)`` for the calls that wait, and ``("out", [delta, ...], stats)``, ONE message per engine
+step holding every request's new tokens, text and logprobs (never the cumulative lists: those
+would make a stream of L tokens cost O(L^2) on the wire) and the scheduler's counters, so
+``stats()`` in the parent is a plain read (serve's admission asks for it per request). The
+parent rebuilds cumulative ``RequestOutput`` objects from the deltas, so callers see exactly
+what the in-process ``LLM`` gives them.
 
 The client holds no global state (one pipe, one reader thread, its own handles), so a
 front can hold several of them, one per GPU.
@@ -60,6 +61,7 @@ class EngineSnapshot:
     is_whisper: bool
     tokenizer: Any
     model_info: dict
+    stats: dict
 
 
 def _snapshot(llm) -> EngineSnapshot:
@@ -72,7 +74,12 @@ def _snapshot(llm) -> EngineSnapshot:
     runner = SimpleNamespace(model=SimpleNamespace(
         max_encoder_positions=getattr(model, "max_encoder_positions", None)))
     return EngineSnapshot(core.hf_config, processor, core.limits, runner, core.is_whisper, llm.tokenizer,
-                          llm.model_info)
+                          llm.model_info, _stats(llm))
+
+
+def _stats(llm) -> dict:
+    """``LLM.stats()`` plus the running decoder sequences (serve's queue bound counts those)."""
+    return {**llm.stats(), "running_seqs": llm.engine.scheduler.num_running_seqs}
 
 
 # ---- child side ---------------------------------------------------------------------------------
@@ -150,7 +157,7 @@ def _child_main(args: LlmArgs, conn) -> None:
                 if ro.finished:
                     self._handles.pop(ro.request_id, None)
             if outputs:
-                sender.send(("out", sender.deltas(outputs)))
+                sender.send(("out", sender.deltas(outputs), _stats(self)))
 
     try:
         llm = _ChildLLM.from_args(dataclasses.replace(args, engine_process=False))
@@ -182,15 +189,21 @@ def _serve_commands(llm, conn, sender: _ChildSender) -> None:
             return                                    # the parent is gone
         kind = msg[0]
         if kind == "add":
-            _, call_id, batch = msg
+            _, call_id, payload = msg
             # make_request validates and touches no engine state: it runs here, beside the
             # step loop, so a request is answered without waiting for a step boundary.
             tracked, errors = [], []
+            try:
+                batch = pickle.loads(payload)
+            except Exception as e:  # noqa: BLE001 - e.g. a class only the parent's __main__ defines
+                sender.send(("reply", call_id, False, RuntimeError(f"the request cannot be read in the "
+                                                                   f"engine process: {e!r}")))
+                continue
             for i, (rid, inputs, params, streaming) in enumerate(batch):
                 try:
                     tracked.append(core.make_request(inputs, params, streaming, request_id=rid))
-                except ValueError as e:
-                    errors.append((i, str(e)))
+                except Exception as e:  # noqa: BLE001 - the caller gets it, as in-process
+                    errors.append((i, _portable(e)))
             if errors:
                 sender.send(("reply", call_id, False, errors))
                 continue
@@ -204,17 +217,13 @@ def _serve_commands(llm, conn, sender: _ChildSender) -> None:
         elif kind == "abort":
             llm._abort(msg[1])
         elif kind == "call":
-            _, call_id, fn = msg
+            _, call_id, payload = msg
             try:
-                future = llm.call_on_engine(fn)
-            except RuntimeError as e:
+                future = llm.call_on_engine(pickle.loads(payload))
+            except Exception as e:  # noqa: BLE001 - shut down, or a callable that does not unpickle here
                 sender.send(("reply", call_id, False, _portable(e)))
                 continue
             future.add_done_callback(_reply_when_done(sender, call_id))
-        elif kind == "stats":
-            stats = llm.stats()
-            stats["running_seqs"] = core.scheduler.num_running_seqs
-            sender.send(("reply", msg[1], True, stats))
         elif kind == "shutdown":
             return
 
@@ -294,7 +303,6 @@ class ProcessLLM:
         self._rid_prefix = f"req-{os.getpid()}-{id(self):x}-"
         self._stop = False
         self._error: BaseException | None = None
-        self._last_stats = {"waiting": 0, "running": 0, "running_seqs": 0, "kv": {}}
         ctx = multiprocessing.get_context("spawn")
         self._conn, child_conn = ctx.Pipe(duplex=True)
         self._proc = ctx.Process(target=_child_main, args=(args, child_conn), name="enc2dec-engine-core",
@@ -302,6 +310,7 @@ class ProcessLLM:
         self._proc.start()
         child_conn.close()                       # the child's death must end our reads with EOF
         self._snapshot = self._wait_ready()
+        self._stats = self._snapshot.stats
         self._reader = threading.Thread(target=self._read_loop, name="enc2dec-engine-reader", daemon=True)
         self._reader.start()
 
@@ -354,13 +363,9 @@ class ProcessLLM:
         return self._error
 
     def stats(self) -> dict:
-        """Queue depth, running sequences and KV blocks per pool, asked of the engine process (the
-        last answer once it cannot be asked: metrics keep rendering after a failure)."""
-        try:
-            self._last_stats = self._request("stats").result(timeout=SHUTDOWN_TIMEOUT_S)
-        except (RuntimeError, concurrent.futures.TimeoutError):
-            pass
-        return self._last_stats
+        """Queue depth, running sequences and KV blocks per pool, as of the engine's last step
+        (or abort): the counters ride on every output message, so this never waits."""
+        return self._stats
 
     def kv_cache_usage(self) -> dict[str, dict[str, int]]:
         return self.stats()["kv"]
@@ -448,7 +453,7 @@ class ProcessLLM:
         future: concurrent.futures.Future = concurrent.futures.Future()
         call_id = next(self._ids)
         try:
-            data = _dumps((kind, call_id, *payload))
+            data = _dumps((kind, call_id, *(_dumps(p) for p in payload)))
         except Exception as e:  # noqa: BLE001 - a closure or lambda
             raise TypeError(f"call_on_engine needs a picklable callable with an engine process "
                             f"(a module-level function or a functools.partial of one): {e}") from None
@@ -459,7 +464,7 @@ class ProcessLLM:
             except (OSError, ValueError) as e:
                 self._replies.pop(call_id, None)
                 raise EngineProcessError(f"the engine process cannot be reached: {e}") from None
-        if self._error is not None:           # the reader failed pending replies between the checks
+        if self._error is not None or not self._reader.is_alive():   # it failed the replies before ours
             self._fail_replies()
         return future
 
@@ -473,7 +478,7 @@ class ProcessLLM:
         future: concurrent.futures.Future = concurrent.futures.Future()
         call_id = next(self._ids)
         try:
-            data = _dumps(("add", call_id, wire))
+            data = _dumps(("add", call_id, _dumps(wire)))
         except Exception as e:  # noqa: BLE001 - e.g. a logits processor that is a closure
             raise ValueError(f"the request cannot be sent to the engine process (it must pickle): {e}") from None
         with self._lock:
@@ -485,7 +490,7 @@ class ProcessLLM:
                 self._conn.send_bytes(data)
             except (OSError, ValueError):
                 pass                      # the reader sees the pipe close and fails the future
-        if self._error is not None:
+        if self._error is not None or not self._reader.is_alive():   # it failed the replies before ours
             self._fail_replies()
         try:
             ok = future.result()
@@ -494,8 +499,10 @@ class ProcessLLM:
             raise
         if ok is not True:
             self._forget(handles)
-            (i, message), = ok[:1]
-            raise ValueError(message if single else f"prompt {i}: {message}")
+            i, error = ok[0]
+            if isinstance(error, ValueError) and not single:
+                raise ValueError(f"prompt {i}: {error}") from None
+            raise error
         return handles
 
     def _forget(self, handles) -> None:
@@ -517,6 +524,7 @@ class ProcessLLM:
                 msg = pickle.loads(conn.recv_bytes())
                 kind = msg[0]
                 if kind == "out":
+                    self._stats = msg[2]
                     self._deliver(msg[1])
                 elif kind == "reply":
                     _, call_id, ok, value = msg
