@@ -199,9 +199,12 @@ def _serve_commands(llm, conn, sender: _ChildSender) -> None:
                 sender.send(("reply", call_id, False, RuntimeError(f"the request cannot be read in the "
                                                                    f"engine process: {e!r}")))
                 continue
-            for i, (rid, inputs, params, streaming) in enumerate(batch):
+            for i, (rid, inputs, text, params, streaming) in enumerate(batch):
                 try:
-                    tracked.append(core.make_request(inputs, params, streaming, request_id=rid))
+                    t = core.make_request(inputs, params, streaming, request_id=rid)
+                    if text is not None:          # tokenised by the parent: the output names the text
+                        t.prompt = text
+                    tracked.append(t)
                 except Exception as e:  # noqa: BLE001 - the caller gets it, as in-process
                     errors.append((i, _portable(e)))
             if errors:
@@ -474,7 +477,7 @@ class ProcessLLM:
         for inputs, params, streaming in batch:
             rid = f"{self._rid_prefix}{next(self._ids)}"
             handles.append(self._handle_cls(self, rid, streaming))
-            wire.append((rid, inputs, params, streaming))
+            wire.append((rid, *self._pretokenize(inputs), params, streaming))
         future: concurrent.futures.Future = concurrent.futures.Future()
         call_id = next(self._ids)
         try:
@@ -504,6 +507,23 @@ class ProcessLLM:
                 raise ValueError(f"prompt {i}: {error}") from None
             raise error
         return handles
+
+    def _pretokenize(self, inputs) -> tuple[Any, str | None]:
+        """(what the engine process gets, the prompt text if tokenised here). Text prompts are
+        tokenised in the caller's thread (serve's input pool), as ``EngineCore.make_request``
+        would, so the engine process only validates ids; audio goes raw (its log-mel is batched
+        on the GPU in the engine), and anything unusual is left to the engine's own checks."""
+        snap = self._snapshot
+        text = inputs if isinstance(inputs, str) else None
+        if isinstance(inputs, dict) and set(inputs) == {"prompt"} and isinstance(inputs["prompt"], str):
+            text = inputs["prompt"]
+        if text is None or snap.is_whisper or snap.tokenizer is None:
+            return inputs, None
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            return inputs, None               # the engine names the bad character
+        return list(snap.tokenizer.encode(text, add_special_tokens=True)), text
 
     def _forget(self, handles) -> None:
         with self._lock:

@@ -37,6 +37,7 @@ def test_greedy_outputs_match_the_in_process_engine_token_for_token(pair):
     assert [[c.text for c in o.outputs] for o in got] == [[c.text for c in o.outputs] for o in want]
     assert [[c.finish_reason for c in o.outputs] for o in got] == [[c.finish_reason for c in o.outputs] for o in want]
     assert got[2].outputs[0].logprobs == want[2].outputs[0].logprobs
+    assert got[0].prompt == want[0].prompt == PROMPTS[0]
     assert got[0].prompt_token_ids == want[0].prompt_token_ids and got[0].metrics.finished_time is not None
     assert remote.model_info == local.model_info
 
@@ -70,11 +71,12 @@ def test_abort_ends_the_request_and_frees_its_blocks(pair):
 def test_bad_requests_raise_the_in_process_errors(pair):
     local, remote = pair
     bad = SamplingParams(top_k=10**9)
-    with pytest.raises(ValueError) as want:
-        local.generate_async("x", bad)
-    with pytest.raises(ValueError) as got:
-        remote.generate_async("x", bad)
-    assert str(got.value) == str(want.value)
+    for prompt, params in (("x", bad), ("word " * 200, None), ({"prompt_token_ids": []}, None)):
+        with pytest.raises(ValueError) as want:
+            local.generate_async(prompt, params)
+        with pytest.raises(ValueError) as got:
+            remote.generate_async(prompt, params)
+        assert str(got.value) == str(want.value)
     with pytest.raises(ValueError, match="^prompt 1: "):
         remote.generate(["fine", "x"], [SamplingParams(max_tokens=2), bad])
     assert remote.stats()["waiting"] == 0 and remote.is_healthy
