@@ -8,6 +8,7 @@ import functools
 import httpx
 import numpy as np
 import pytest
+import torch
 from test_serve_helpers import KV, LiveServer, ServeConfig
 
 from enc2dec.engine import LLM, KvCacheConfig, SamplingParams
@@ -139,3 +140,31 @@ def test_whisper_transcripts_match_the_in_process_engine(real_whisper, real_tiny
     ref = real_tiny_llm.generate({"prompt": "", "multi_modal_data": {"audio": [audio[0]]}})
     assert out.outputs[0].token_ids == ref.outputs[0].token_ids
     assert np.isfinite(len(out.outputs[0].token_ids))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_gpu_the_parent_never_initialises_cuda_and_outputs_match(flan_t5):
+    options = dict(OPTIONS, dtype="bfloat16", device="cuda")
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    with LLM(flan_t5, engine_process=True, **options) as remote:
+        got = remote.generate(PROMPTS, params, use_tqdm=False)
+        streamed = [o.outputs[0].text for o in remote.generate_async(PROMPTS[0], params, streaming=True)]
+        assert not torch.cuda.is_initialized()       # CUDA lives in the engine process only
+    with LLM(flan_t5, **options) as local:
+        want = local.generate(PROMPTS, params, use_tqdm=False)
+    assert _ids(got) == _ids(want) and streamed[-1] == want[0].outputs[0].text
+
+
+def test_serve_defaults_to_an_engine_process_unless_the_config_or_option_says_no(tmp_path):
+    from enc2dec.cli.serve import SERVE_ENGINE_DEFAULTS
+    from enc2dec.engine.launch import build_llm_args
+
+    assert build_llm_args("m", defaults=SERVE_ENGINE_DEFAULTS).engine_process is True
+    assert build_llm_args("m", engine_process=False, defaults=SERVE_ENGINE_DEFAULTS).engine_process is False
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("engine_process: false\n")
+    assert build_llm_args("m", str(cfg), defaults=SERVE_ENGINE_DEFAULTS).engine_process is False
+    assert build_llm_args("m").engine_process is False          # bench, eval, transcribe: one process
+    with pytest.raises(ValueError, match="engine_process must be true or false"):
+        build_llm_args("m", engine_process="yes")
