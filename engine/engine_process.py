@@ -119,9 +119,10 @@ class _ChildSender:
                 else:
                     text_delta = (False, c.text)
                 lps = c.logprobs
-                new_lps = None if lps is None else (lps if n_ids < 0 or len(lps) < n_lp else lps[n_lp:])
+                lps_whole = n_ids < 0 or (lps is not None and len(lps) < n_lp)
+                new_lps = None if lps is None else (lps if lps_whole else lps[n_lp:])
                 comps.append((c.index, n_ids < 0, new_ids, text_delta, c.finish_reason, c.stop_reason,
-                              c.cumulative_logprob, new_lps, c.prefix_logprobs))
+                              c.cumulative_logprob, lps_whole, new_lps, c.prefix_logprobs))
                 sent[i] = [len(ids), c.text, 0 if lps is None else len(lps)]
             m = ro.metrics
             n_tt = self.num_token_times.get(rid, 0)
@@ -270,7 +271,7 @@ class _Stream:
          m.num_preemptions, new_times) = metrics
         m.token_times.extend(new_times)
         outs = []
-        for index, full, new_ids, (append, text), finish, stop, cum_lp, new_lps, prefix_lps in comps:
+        for index, full, new_ids, (append, text), finish, stop, cum_lp, lps_whole, new_lps, prefix_lps in comps:
             state = self.comps.get(index)
             if state is None:
                 state = self.comps[index] = [[], "", None]
@@ -280,13 +281,13 @@ class _Stream:
                 state[0].extend(new_ids)
             state[1] = state[1] + text if append else text
             if new_lps is not None:
-                if full or state[2] is None:
+                if lps_whole or state[2] is None:
                     state[2] = list(new_lps)
                 else:
                     state[2].extend(new_lps)
             # New lists per output, as in-process: a caller may keep an earlier one.
             outs.append(CompletionOutput(index, state[1], list(state[0]), finish, stop, cum_lp,
-                                         None if new_lps is None else list(state[2]), prefix_lps))
+                                         None if state[2] is None else list(state[2]), prefix_lps))
         return RequestOutput(rid, self.prompt, self.prompt_token_ids, outs, finished, m, error)
 
 
@@ -609,7 +610,7 @@ class ProcessLLM:
         deltas = []
         for rid, handle, stream in pending:
             stream = stream or _Stream()
-            comps = [(i, False, [], (True, ""), "abort", None, None, None, None) for i in (stream.comps or [0])]
+            comps = [(i, False, [], (True, ""), "abort", None, None, False, None, None) for i in (stream.comps or [0])]
             m = stream.metrics
             metrics = (m.arrival_time, m.first_scheduled_time, m.first_token_time, time.monotonic(),
                        m.num_preemptions, [])

@@ -45,14 +45,15 @@ def test_greedy_outputs_match_the_in_process_engine_token_for_token(pair):
 
 def test_streamed_outputs_are_cumulative_and_end_with_the_final_text(pair):
     local, remote = pair
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
-    want = [o.outputs[0].text for o in local.generate_async(PROMPTS[0], params, streaming=True)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=1)
+    want = [(o.outputs[0].text, o.outputs[0].logprobs)
+            for o in local.generate_async(PROMPTS[0], params, streaming=True)]
 
     async def stream():
         return [o async for o in remote.generate_async(PROMPTS[0], params, streaming=True)]
 
     got = asyncio.run(stream())
-    assert [o.outputs[0].text for o in got] == want
+    assert [(o.outputs[0].text, o.outputs[0].logprobs) for o in got] == want
     assert [len(o.outputs[0].token_ids) for o in got] == list(range(1, 13))
     assert got[-1].finished and not any(o.finished for o in got[:-1])
     assert got[-1].outputs[0].token_ids == local.generate(PROMPTS[0], params).outputs[0].token_ids
