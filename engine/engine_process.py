@@ -138,7 +138,13 @@ class _ChildSender:
 
 
 def _child_main(args: LlmArgs, conn) -> None:
+    import signal
+
     from enc2dec.engine.llm import LLM
+
+    # Ctrl-C reaches the whole process group: the parent decides when the engine stops (a
+    # server drains first) and ends it through the pipe.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     sender = _ChildSender(conn)
 
