@@ -35,6 +35,9 @@ REQUIRED_MODULES = ("fastapi", "uvicorn", "pydantic", "multipart", "prometheus_c
 
 
 S, E = "Server", "Engine"
+# serve's own engine defaults where the config leaves a key unset: the step loop in its own
+# process, away from the event loop's GIL (the library API's LLM keeps one process).
+SERVE_ENGINE_DEFAULTS = {"engine_process": True}
 
 
 def serve(
@@ -52,6 +55,10 @@ def serve(
     max_beam_width: Annotated[OptInt, option("Widest beam search a request may ask for (best_of with "
                                            "use_beam_search); each beam is a decoder sequence.", E,
                                            "--max-beam-width", "--max_beam_width")] = None,
+    engine_process: Annotated[bool | None, option("Run the engine core in its own process (default: on; the "
+                                                  "config key engine_process), so the HTTP side never "
+                                                  "shares a GIL with the step loop.", E,
+                                                  "--engine-process/--no-engine-process")] = None,
     host: Annotated[str, option("Address to listen on (0.0.0.0 for every interface).", S)] = "127.0.0.1",
     port: Annotated[int, option("Port (0 picks a free one; the log names it).", S)] = 8000,
     api_key: Annotated[OptStr, option("Require 'Authorization: Bearer KEY' on every endpoint but /health.", S,
@@ -102,7 +109,8 @@ def serve(
                           log_level=log_level)
         llm_args = build_llm_args(model, config, load_format=load_format, dtype=dtype, device=device,
                                   tokenizer=tokenizer, max_batch_size=max_batch_size,
-                                  tensor_parallel_size=tp_size, max_beam_width=max_beam_width)
+                                  tensor_parallel_size=tp_size, max_beam_width=max_beam_width,
+                                  engine_process=engine_process, defaults=SERVE_ENGINE_DEFAULTS)
     except (ValueError, TypeError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None

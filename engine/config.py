@@ -283,6 +283,9 @@ class LlmArgs:
     load_format: str = "auto"
     trust_remote_code: bool = False       # passed to transformers' config and tokenizer loading
     seed: int = 0
+    # True: the engine core steps in its own process and this one only submits and receives
+    # (``enc2dec.engine.engine_process``); serve turns it on, the library API keeps one process.
+    engine_process: bool = False
     tuning: TuningConfig = field(default_factory=TuningConfig)
 
     def __post_init__(self):
@@ -295,7 +298,7 @@ class LlmArgs:
         if self.tuning is None:
             raise ValueError("tuning must be a TuningConfig or a mapping (omit it for the defaults), got None")
         object.__setattr__(self, "tuning", self.tuning.with_env(os.environ))
-        for name in ("enable_encoder_decoder_mixed_cuda_graph", "trust_remote_code"):
+        for name in ("enable_encoder_decoder_mixed_cuda_graph", "trust_remote_code", "engine_process"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.backend != "pytorch":

@@ -106,7 +106,17 @@ class RequestHandle:
 
 
 class LLM:
-    """Encoder-decoder LLM. ``LLM(model, **options)``; options are ``LlmArgs`` fields."""
+    """Encoder-decoder LLM. ``LLM(model, **options)``; options are ``LlmArgs`` fields.
+    ``engine_process=True`` gives a ``ProcessLLM`` (the same surface, the engine in a child process)."""
+
+    def __new__(cls, model: str = "", tokenizer: Any = None, **kwargs):
+        if cls is LLM:
+            args = kwargs.get("_args") or LlmArgs.from_dict(kwargs, model=str(model), tokenizer=tokenizer)
+            if args.engine_process:
+                from enc2dec.engine.engine_process import ProcessLLM
+
+                return ProcessLLM(args)
+        return super().__new__(cls)
 
     def __init__(self, model: str, tokenizer: Any = None, **kwargs):
         self.args = kwargs.pop("_args", None) or LlmArgs.from_dict(kwargs, model=str(model), tokenizer=tokenizer)

@@ -46,8 +46,11 @@ def model_info(llm) -> ModelInfo:
 def engine_stats(llm) -> dict[str, int]:
     """Queue depth, running requests and KV blocks per pool, read without locks (plain lengths)."""
     snapshot = llm.stats()
-    stats = {"waiting": snapshot["waiting"], "running": snapshot["running"],
-             "running_seqs": getattr(getattr(llm.engine, "scheduler", None), "num_running_seqs", snapshot["running"])}
+    # An engine process reports its sequences in the snapshot; in-process they are read off the scheduler.
+    running_seqs = snapshot.get("running_seqs")
+    if running_seqs is None:
+        running_seqs = getattr(getattr(llm.engine, "scheduler", None), "num_running_seqs", snapshot["running"])
+    stats = {"waiting": snapshot["waiting"], "running": snapshot["running"], "running_seqs": running_seqs}
     for pool, usage in snapshot["kv"].items():
         stats[f"{pool}_used"], stats[f"{pool}_total"] = usage["used_blocks"], usage["total_blocks"]
         stats[f"{pool}_free"] = usage["total_blocks"] - usage["used_blocks"]

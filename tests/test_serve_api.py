@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_serve_helpers import LiveServer, ServeConfig, httpx, tiny_llm_factory
+from test_serve_helpers import LiveServer, ServeConfig, fail_next_steps, httpx, tiny_llm_factory
 
 openai = pytest.importorskip("openai")
 from enc2dec.engine import SamplingParams
@@ -183,25 +183,14 @@ def test_invalid_json_oversize_body_unknown_route_and_wrong_endpoint(server):
     assert r.status_code == 400 and "/v1/completions" in r.json()["error"]["message"]
 
 
-def test_engine_error_is_a_500_and_the_server_keeps_serving(server, client, monkeypatch):
-    runner = server.llm.engine.runner
-    name = "launch" if hasattr(runner, "launch") else "execute"     # the runner's per-step entry point
-    real = getattr(runner, name)
-    calls = {"n": 0}
-
-    def flaky(so):
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise RuntimeError("injected device fault")
-        return real(so)
-
-    monkeypatch.setattr(runner, name, flaky)
+def test_engine_error_is_a_500_and_the_server_keeps_serving(server, client):
+    fail_next_steps(server.llm)
     r = httpx.post(server.url + "/v1/completions", json={"model": NAME, "prompt": "boom", "max_tokens": 4},
                    timeout=30)
     assert r.status_code == 500, r.text
     err = r.json()["error"]
     assert err["type"] == "server_error" and "injected device fault" in err["message"]
-    calls["n"] = 0                      # the same fault under a stream: an error event, then [DONE]
+    fail_next_steps(server.llm)         # the same fault under a stream: an error event, then [DONE]
     with httpx.stream("POST", server.url + "/v1/completions", timeout=30,
                       json={"model": NAME, "prompt": "boom", "max_tokens": 4, "stream": True}) as r:
         lines = [ln for ln in r.iter_lines() if ln]

@@ -190,7 +190,8 @@ def test_9_models_show_served_names_and_cors_is_opt_in(server, t5_relu):
 
 
 def test_9_no_cors_headers_by_default_and_health_503_once_the_engine_thread_dies(t5_relu):
-    srv = LiveServer(ServeConfig(model=t5_relu), tiny_llm_factory(t5_relu)).start()
+    # In-process: the test replaces the core's step (the engine process's death: test_engine_process.py)
+    srv = LiveServer(ServeConfig(model=t5_relu), tiny_llm_factory(t5_relu, engine_process=False)).start()
     try:
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2},
                        headers={"Origin": "https://app.example"}, timeout=30)

@@ -2,6 +2,7 @@
 background thread, and small builders. Every wait is bounded."""
 from __future__ import annotations
 
+import functools
 import io
 import threading
 import time
@@ -23,9 +24,30 @@ KV = KvCacheConfig(cross_kv_cache_fraction=0.5, tokens_per_block=4, max_cpu_memo
 
 
 def tiny_llm_factory(model: str, **kw):
-    options = dict(dtype="float32", max_batch_size=16, max_input_len=64, kv_cache_config=KV)
+    # serve's default: the engine core in its own process
+    options = dict(dtype="float32", max_batch_size=16, max_input_len=64, kv_cache_config=KV, engine_process=True)
     options.update(kw)
     return lambda: LLM(model, **options)
+
+
+def _fail_next_steps(core, count: int, message: str) -> None:
+    runner = core.runner
+    name = "launch" if hasattr(runner, "launch") else "execute"     # the runner's per-step entry point
+    real, left = getattr(runner, name), [count]
+
+    def flaky(so):
+        if left[0] > 0:
+            left[0] -= 1
+            raise RuntimeError(message)
+        return real(so)
+
+    setattr(runner, name, flaky)
+
+
+def fail_next_steps(llm, count: int = 1, message: str = "injected device fault") -> None:
+    """The engine's next ``count`` steps raise ``message`` (in the engine process, if it has one:
+    a module-level function crosses the boundary)."""
+    llm.call_on_engine(functools.partial(_fail_next_steps, count=count, message=message)).result(timeout=30)
 
 
 class LiveServer:

@@ -1,0 +1,627 @@
+"""The engine core in its own process: the ``LLM`` surface, with the step loop in a child.
+
+Why: a server runs its HTTP event loop and the engine's step loop in one interpreter, so the
+two share one GIL and the step loop starves under many streams. Here a child process
+(``spawn``: CUDA is initialised only there) builds the normal in-process ``LLM`` and only
+steps; the parent keeps HTTP, SSE formatting and the public handles.
+
+Wire (``multiprocessing.connection`` pipe, pickle protocol 5), parent -> child:
+``("add", id, [(request_id, inputs, params, streaming), ...])``, ``("abort", request_id)``,
+``("call", id, fn)``, ``("shutdown",)``. Child -> parent:
+``("ready", EngineSnapshot)`` or ``("failed", exception)`` once, then ``("reply", id, ok,
+value)`` for the calls that wait, and ``("out", [delta, ...], stats)``, ONE message per engine
+step holding every request's new tokens, text and logprobs (never the cumulative lists: those
+would make a stream of L tokens cost O(L^2) on the wire) and the scheduler's counters, so
+``stats()`` in the parent is a plain read (serve's admission asks for it per request). The
+parent rebuilds cumulative ``RequestOutput`` objects from the deltas, so callers see exactly
+what the in-process ``LLM`` gives them.
+
+The client holds no global state (one pipe, one reader thread, its own handles), so a
+front can hold several of them, one per GPU.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import itertools
+import multiprocessing
+import os
+import pickle
+import threading
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+from enc2dec.engine.config import LlmArgs
+from enc2dec.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+START_TIMEOUT_S = 3600.0      # loading a large checkpoint from a slow disk can take minutes
+SHUTDOWN_TIMEOUT_S = 30.0
+
+
+def _dumps(obj) -> bytes:
+    return pickle.dumps(obj, protocol=5)
+
+
+class EngineProcessError(RuntimeError):
+    """The engine process died or could not be reached."""
+
+
+@dataclass
+class EngineSnapshot:
+    """What the API side reads of the engine, taken once at start-up (picklable): the facts
+    ``serve`` and the Whisper code read from ``llm.engine`` in-process, under the same names."""
+
+    hf_config: Any
+    processor: SimpleNamespace
+    limits: Any
+    runner: SimpleNamespace
+    is_whisper: bool
+    tokenizer: Any
+    model_info: dict
+    stats: dict
+
+
+def _snapshot(llm) -> EngineSnapshot:
+    core, proc = llm.engine, llm.engine.processor
+    processor = SimpleNamespace(**{name: getattr(proc, name, None) for name in (
+        "gen", "feature_extractor", "max_input_len", "max_seq_len", "vocab_size", "is_whisper",
+        "decoder_start_token_id", "forced_bos_token_id", "eos_token_ids", "max_decoder_positions",
+        "max_encoder_positions", "suppress_token_ids", "begin_suppress_token_ids", "whisper_default_prefix")})
+    model = getattr(core.runner, "model", None)
+    runner = SimpleNamespace(model=SimpleNamespace(
+        max_encoder_positions=getattr(model, "max_encoder_positions", None)))
+    return EngineSnapshot(core.hf_config, processor, core.limits, runner, core.is_whisper, llm.tokenizer,
+                          llm.model_info, _stats(llm))
+
+
+def _stats(llm) -> dict:
+    """``LLM.stats()`` plus the running decoder sequences (serve's queue bound counts those)."""
+    return {**llm.stats(), "running_seqs": llm.engine.scheduler.num_running_seqs}
+
+
+# ---- child side ---------------------------------------------------------------------------------
+class _ChildSender:
+    """Turns the in-process LLM's outputs into deltas against what the parent already has."""
+
+    def __init__(self, conn):
+        self.conn = conn
+        self.lock = threading.Lock()
+        self.sent: dict[str, list[list]] = {}     # request id -> per completion [num ids, text, num logprobs]
+        self.num_token_times: dict[str, int] = {}
+
+    def send(self, msg) -> None:
+        data = _dumps(msg)
+        with self.lock:
+            self.conn.send_bytes(data)
+
+    def deltas(self, outputs) -> list:
+        out = []
+        for ro in outputs:
+            rid = ro.request_id
+            first = rid not in self.sent
+            sent = self.sent.setdefault(rid, [])
+            comps = []
+            for i, c in enumerate(ro.outputs):
+                if i >= len(sent):
+                    sent.append([0, "", 0])
+                n_ids, text, n_lp = sent[i]
+                ids = c.token_ids
+                # Tokens and logprobs only grow (beams, which reorder, send their one final output);
+                # a shorter list is sent whole rather than trusted.
+                if len(ids) < n_ids:
+                    n_ids = -1
+                new_ids = ids if n_ids < 0 else ids[n_ids:]
+                if c.text.startswith(text):
+                    text_delta = (True, c.text[len(text):])
+                else:
+                    text_delta = (False, c.text)
+                lps = c.logprobs
+                lps_whole = n_ids < 0 or (lps is not None and len(lps) < n_lp)
+                new_lps = None if lps is None else (lps if lps_whole else lps[n_lp:])
+                comps.append((c.index, n_ids < 0, new_ids, text_delta, c.finish_reason, c.stop_reason,
+                              c.cumulative_logprob, lps_whole, new_lps, c.prefix_logprobs))
+                sent[i] = [len(ids), c.text, 0 if lps is None else len(lps)]
+            m = ro.metrics
+            n_tt = self.num_token_times.get(rid, 0)
+            metrics = (m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finished_time,
+                       m.num_preemptions, m.token_times[n_tt:])
+            self.num_token_times[rid] = len(m.token_times)
+            head = (ro.prompt, ro.prompt_token_ids) if first else None
+            out.append((rid, head, comps, ro.finished, ro.error, metrics))
+            if ro.finished:
+                del self.sent[rid]
+                self.num_token_times.pop(rid, None)
+        return out
+
+
+def _child_main(args: LlmArgs, conn) -> None:
+    import signal
+
+    from enc2dec.engine.llm import LLM
+
+    # Ctrl-C reaches the whole process group: the parent decides when the engine stops (a
+    # server drains first) and ends it through the pipe.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    sender = _ChildSender(conn)
+
+    class _ChildLLM(LLM):
+        """The in-process LLM whose outputs go to the parent, one message per step."""
+
+        def _loop(self) -> None:
+            try:
+                super()._loop()
+            finally:
+                if self._error is not None and not self._stop:    # the step loop died: say so
+                    sender.send(("dead", _portable(self._error)))
+
+        def _deliver(self, outputs) -> None:
+            outputs = list(outputs)
+            for ro in outputs:
+                if ro.finished:
+                    self._handles.pop(ro.request_id, None)
+            if outputs:
+                sender.send(("out", sender.deltas(outputs), _stats(self)))
+
+    try:
+        llm = _ChildLLM.from_args(dataclasses.replace(args, engine_process=False))
+        snapshot = _snapshot(llm)
+    except BaseException as e:  # noqa: BLE001 - the parent raises it as the in-process LLM would
+        try:
+            sender.send(("failed", _portable(e)))
+        finally:
+            conn.close()
+        return
+    sender.send(("ready", snapshot))
+    try:
+        _serve_commands(llm, conn, sender)
+    finally:
+        llm.shutdown()
+        try:
+            sender.send(("closed",))
+        except OSError:
+            pass
+        conn.close()
+
+
+def _serve_commands(llm, conn, sender: _ChildSender) -> None:
+    core = llm.engine
+    while True:
+        try:
+            msg = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            return                                    # the parent is gone
+        kind = msg[0]
+        if kind == "add":
+            _, call_id, payload = msg
+            # make_request validates and touches no engine state: it runs here, beside the
+            # step loop, so a request is answered without waiting for a step boundary.
+            tracked, errors = [], []
+            try:
+                batch = pickle.loads(payload)
+            except Exception as e:  # noqa: BLE001 - e.g. a class only the parent's __main__ defines
+                sender.send(("reply", call_id, False, RuntimeError(f"the request cannot be read in the "
+                                                                   f"engine process: {e!r}")))
+                continue
+            for i, (rid, inputs, text, params, streaming) in enumerate(batch):
+                try:
+                    t = core.make_request(inputs, params, streaming, request_id=rid)
+                    if text is not None:          # tokenised by the parent: the output names the text
+                        t.prompt = text
+                    tracked.append(t)
+                except Exception as e:  # noqa: BLE001 - the caller gets it, as in-process
+                    errors.append((i, _portable(e)))
+            if errors:
+                sender.send(("reply", call_id, False, errors))
+                continue
+            try:
+                for t in tracked:
+                    llm._submit(t)
+            except RuntimeError as e:
+                sender.send(("reply", call_id, False, _portable(e)))
+                continue
+            sender.send(("reply", call_id, True, None))
+        elif kind == "abort":
+            llm._abort(msg[1])
+        elif kind == "call":
+            _, call_id, payload = msg
+            try:
+                future = llm.call_on_engine(pickle.loads(payload))
+            except Exception as e:  # noqa: BLE001 - shut down, or a callable that does not unpickle here
+                sender.send(("reply", call_id, False, _portable(e)))
+                continue
+            future.add_done_callback(_reply_when_done(sender, call_id))
+        elif kind == "shutdown":
+            return
+
+
+def _reply_when_done(sender: _ChildSender, call_id: int):
+    def reply(future: concurrent.futures.Future) -> None:
+        e = future.exception()
+        try:
+            sender.send(("reply", call_id, e is None, future.result() if e is None else _portable(e)))
+        except Exception as send_error:  # noqa: BLE001 - e.g. a result that does not pickle
+            sender.send(("reply", call_id, False, RuntimeError(f"the call's result cannot be sent: {send_error}")))
+    return reply
+
+
+def _portable(e: BaseException) -> BaseException:
+    """``e`` if it survives pickling (same type and message in the parent), else a RuntimeError
+    that names it."""
+    try:
+        pickle.loads(_dumps(e))
+        return e
+    except Exception:  # noqa: BLE001
+        return RuntimeError(f"{type(e).__name__}: {e}")
+
+
+# ---- parent side --------------------------------------------------------------------------------
+class _Stream:
+    """The parent's cumulative view of one request, rebuilt from the child's deltas."""
+
+    __slots__ = ("prompt", "prompt_token_ids", "comps", "metrics")
+
+    def __init__(self):
+        self.prompt, self.prompt_token_ids = None, []
+        self.comps: dict[int, list] = {}     # index -> [token_ids, text, logprobs]
+        self.metrics = RequestMetrics()
+
+    def apply(self, rid, head, comps, finished, error, metrics) -> RequestOutput:
+        if head is not None:
+            self.prompt, self.prompt_token_ids = head
+        m = self.metrics
+        (m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finished_time,
+         m.num_preemptions, new_times) = metrics
+        m.token_times.extend(new_times)
+        outs = []
+        for index, full, new_ids, (append, text), finish, stop, cum_lp, lps_whole, new_lps, prefix_lps in comps:
+            state = self.comps.get(index)
+            if state is None:
+                state = self.comps[index] = [[], "", None]
+            if full:
+                state[0] = list(new_ids)
+            else:
+                state[0].extend(new_ids)
+            state[1] = state[1] + text if append else text
+            if new_lps is not None:
+                if lps_whole or state[2] is None:
+                    state[2] = list(new_lps)
+                else:
+                    state[2].extend(new_lps)
+            # New lists per output, as in-process: a caller may keep an earlier one.
+            outs.append(CompletionOutput(index, state[1], list(state[0]), finish, stop, cum_lp,
+                                         None if state[2] is None else list(state[2]), prefix_lps))
+        return RequestOutput(rid, self.prompt, self.prompt_token_ids, outs, finished, m, error)
+
+
+class ProcessLLM:
+    """``LLM`` with its engine in a child process (``LlmArgs.engine_process=True``)."""
+
+    def __init__(self, args: LlmArgs):
+        from enc2dec.engine.llm import RequestHandle
+
+        self._handle_cls = RequestHandle
+        self.args = args
+        self._handles: dict[str, Any] = {}
+        self._streams: dict[str, _Stream] = {}
+        self._replies: dict[int, concurrent.futures.Future] = {}
+        self._lock = threading.Lock()            # handles, streams, replies; and the pipe's send side
+        self._ids = itertools.count()
+        self._rid_prefix = f"req-{os.getpid()}-{id(self):x}-"
+        self._stop = False
+        self._error: BaseException | None = None
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child_conn = ctx.Pipe(duplex=True)
+        self._proc = ctx.Process(target=_child_main, args=(args, child_conn), name="enc2dec-engine-core",
+                                 daemon=True)
+        self._proc.start()
+        child_conn.close()                       # the child's death must end our reads with EOF
+        self._snapshot = self._wait_ready()
+        self._stats = self._snapshot.stats
+        self._reader = threading.Thread(target=self._read_loop, name="enc2dec-engine-reader", daemon=True)
+        self._reader.start()
+
+    @classmethod
+    def from_args(cls, args: LlmArgs) -> "ProcessLLM":
+        return cls(args)
+
+    def _wait_ready(self) -> EngineSnapshot:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if self._conn.poll(0.1):
+                try:
+                    msg = pickle.loads(self._conn.recv_bytes())
+                except (EOFError, OSError):
+                    msg = None
+                if msg is not None and msg[0] == "ready":
+                    return msg[1]
+                self._proc.join(5)
+                self._conn.close()
+                if msg is not None and msg[0] == "failed":
+                    raise msg[1]
+                raise EngineProcessError(f"the engine process exited during start-up "
+                                         f"(exit code {self._proc.exitcode})")
+            if not self._proc.is_alive() or time.monotonic() > deadline:
+                self._proc.kill()
+                self._proc.join(5)
+                self._conn.close()
+                raise EngineProcessError(f"the engine process did not start (exit code {self._proc.exitcode})")
+
+    # ---- what the in-process LLM exposes ----------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self._snapshot.tokenizer
+
+    @property
+    def engine(self) -> EngineSnapshot:
+        """A start-up snapshot of the engine's facts (config, processor, limits), not the core."""
+        return self._snapshot
+
+    @property
+    def model_info(self) -> dict:
+        return dict(self._snapshot.model_info)
+
+    @property
+    def is_healthy(self) -> bool:
+        return not self._stop and self._error is None and self._proc.is_alive()
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def stats(self) -> dict:
+        """Queue depth, running sequences and KV blocks per pool, as of the engine's last step
+        (or abort): the counters ride on every output message, so this never waits."""
+        return self._stats
+
+    def kv_cache_usage(self) -> dict[str, dict[str, int]]:
+        return self.stats()["kv"]
+
+    def queue_stats(self) -> dict[str, int]:
+        s = self.stats()
+        return {"waiting": s["waiting"], "running": s["running"]}
+
+    def generate(self, inputs, sampling_params=None, use_tqdm: bool = True):
+        from enc2dec.engine.llm import _is_batch
+
+        single = not _is_batch(inputs)
+        prompts = [inputs] if single else list(inputs)
+        if not prompts:
+            raise ValueError("generate() got an empty batch: pass at least one prompt")
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        handles = self._add([(p, sp, False) for p, sp in zip(prompts, params)], single)
+        if use_tqdm and len(handles) > 1:
+            from tqdm.auto import tqdm
+
+            with tqdm(total=len(handles), desc="generate", unit="req") as bar:
+                results = []
+                for h in handles:
+                    results.append(h.result())
+                    bar.update(1)
+        else:
+            results = [h.result() for h in handles]
+        if self._error is not None:
+            raise RuntimeError(str(self._error)) from self._error
+        return results[0] if single else results
+
+    def generate_async(self, inputs, sampling_params=None, streaming: bool = False):
+        return self._add([(inputs, sampling_params, streaming)], True)[0]
+
+    def call_on_engine(self, fn) -> concurrent.futures.Future:
+        """Run ``fn(engine_core)`` in the engine process between two steps. ``fn`` and its result
+        cross the process boundary, so ``fn`` must pickle: a module-level function, or a
+        ``functools.partial`` of one."""
+        return self._request("call", fn)
+
+    def shutdown(self) -> None:
+        if self._stop:
+            return
+        self._stop = True
+        try:
+            self._send(("shutdown",))
+        except (OSError, ValueError):
+            pass
+        self._proc.join(SHUTDOWN_TIMEOUT_S)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)
+        self._reader.join(SHUTDOWN_TIMEOUT_S)
+        self._fail_all("engine shut down")
+        self._conn.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    def __del__(self):
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001 - interpreter teardown
+            pass
+
+    # ---- the wire -------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._stop:
+            raise RuntimeError("the LLM has been shut down")
+        if self._error is not None:
+            raise RuntimeError(f"the engine process died: {self._error!r}")
+
+    def _send(self, msg) -> None:
+        data = _dumps(msg)
+        with self._lock:
+            self._conn.send_bytes(data)
+
+    def _request(self, kind: str, *payload) -> concurrent.futures.Future:
+        self._check_open()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        call_id = next(self._ids)
+        try:
+            data = _dumps((kind, call_id, *(_dumps(p) for p in payload)))
+        except Exception as e:  # noqa: BLE001 - a closure or lambda
+            raise TypeError(f"call_on_engine needs a picklable callable with an engine process "
+                            f"(a module-level function or a functools.partial of one): {e}") from None
+        with self._lock:
+            self._replies[call_id] = future
+            try:
+                self._conn.send_bytes(data)
+            except (OSError, ValueError) as e:
+                self._replies.pop(call_id, None)
+                raise EngineProcessError(f"the engine process cannot be reached: {e}") from None
+        if self._error is not None or not self._reader.is_alive():   # it failed the replies before ours
+            self._fail_replies()
+        return future
+
+    def _add(self, batch, single: bool) -> list:
+        self._check_open()
+        handles, wire = [], []
+        for inputs, params, streaming in batch:
+            rid = f"{self._rid_prefix}{next(self._ids)}"
+            handles.append(self._handle_cls(self, rid, streaming))
+            wire.append((rid, *self._pretokenize(inputs), params, streaming))
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        call_id = next(self._ids)
+        try:
+            data = _dumps(("add", call_id, _dumps(wire)))
+        except Exception as e:  # noqa: BLE001 - e.g. a logits processor that is a closure
+            raise ValueError(f"the request cannot be sent to the engine process (it must pickle): {e}") from None
+        with self._lock:
+            self._replies[call_id] = future
+            for h in handles:
+                self._handles[h.request_id] = h
+                self._streams[h.request_id] = _Stream()
+            try:
+                self._conn.send_bytes(data)
+            except (OSError, ValueError):
+                pass                      # the reader sees the pipe close and fails the future
+        if self._error is not None or not self._reader.is_alive():   # it failed the replies before ours
+            self._fail_replies()
+        try:
+            ok = future.result()
+        except BaseException:
+            self._forget(handles)
+            raise
+        if ok is not True:
+            self._forget(handles)
+            i, error = ok[0]
+            if isinstance(error, ValueError) and not single:
+                raise ValueError(f"prompt {i}: {error}") from None
+            raise error
+        return handles
+
+    def _pretokenize(self, inputs) -> tuple[Any, str | None]:
+        """(what the engine process gets, the prompt text if tokenised here). Text prompts are
+        tokenised in the caller's thread (serve's input pool), as ``EngineCore.make_request``
+        would, so the engine process only validates ids; audio goes raw (its log-mel is batched
+        on the GPU in the engine), and anything unusual is left to the engine's own checks."""
+        snap = self._snapshot
+        text = inputs if isinstance(inputs, str) else None
+        if isinstance(inputs, dict) and set(inputs) == {"prompt"} and isinstance(inputs["prompt"], str):
+            text = inputs["prompt"]
+        if text is None or snap.is_whisper or snap.tokenizer is None:
+            return inputs, None
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            return inputs, None               # the engine names the bad character
+        return list(snap.tokenizer.encode(text, add_special_tokens=True)), text
+
+    def _forget(self, handles) -> None:
+        with self._lock:
+            for h in handles:
+                self._handles.pop(h.request_id, None)
+                self._streams.pop(h.request_id, None)
+
+    def _abort(self, request_id: str) -> None:
+        try:
+            self._send(("abort", request_id))
+        except (OSError, ValueError):
+            pass                           # the engine is gone: its requests have failed already
+
+    def _read_loop(self) -> None:
+        conn = self._conn
+        try:
+            while True:
+                msg = pickle.loads(conn.recv_bytes())
+                kind = msg[0]
+                if kind == "out":
+                    self._stats = msg[2]
+                    self._deliver(msg[1])
+                elif kind == "reply":
+                    _, call_id, ok, value = msg
+                    with self._lock:
+                        future = self._replies.pop(call_id, None)
+                    if future is None or not future.set_running_or_notify_cancel():
+                        continue
+                    if ok:
+                        future.set_result(True if value is None else value)
+                    elif isinstance(value, list):          # the add's validation errors
+                        future.set_result(value)
+                    else:
+                        future.set_exception(value)
+                elif kind == "dead":            # the step loop died; its requests were failed
+                    self._error = msg[1]
+                    self._fail_replies()
+                elif kind == "closed":
+                    break
+        except (EOFError, OSError):
+            pass
+        except Exception as e:  # noqa: BLE001 - a message we cannot read: the link is unusable
+            self._error = EngineProcessError(f"bad message from the engine process: {e!r}")
+        if not self._stop and self._error is None:
+            self._proc.join(5)
+            self._error = EngineProcessError(f"the engine process died (exit code {self._proc.exitcode})")
+        self._fail_all("engine shut down" if self._error is None else f"engine process died: {self._error}")
+
+    def _deliver(self, deltas) -> None:
+        from enc2dec.engine.llm import _set_all
+
+        wake: dict[asyncio.AbstractEventLoop, list[asyncio.Event]] = {}
+        for delta in deltas:
+            rid, finished = delta[0], delta[3]
+            with self._lock:
+                handle, stream = self._handles.get(rid), self._streams.get(rid)
+                if finished:
+                    self._handles.pop(rid, None)
+                    self._streams.pop(rid, None)
+            if handle is None or stream is None:
+                continue
+            for loop, event in handle._push(stream.apply(*delta)):
+                wake.setdefault(loop, []).append(event)
+        # One thread-safe call per event loop per message, as the in-process LLM does per step.
+        for loop, events in wake.items():
+            loop.call_soon_threadsafe(_set_all, events)
+
+    def _fail_replies(self) -> None:
+        with self._lock:
+            replies, self._replies = self._replies, {}
+        error = self._error or RuntimeError("the LLM was shut down before the call ran")
+        for future in replies.values():
+            if future.set_running_or_notify_cancel():
+                future.set_exception(RuntimeError(str(error)))
+
+    def _fail_all(self, message: str) -> None:
+        """Every request still pending ends now, as an aborted output carrying ``message``."""
+        self._fail_replies()
+        with self._lock:
+            pending = [(rid, h, self._streams.get(rid)) for rid, h in self._handles.items()]
+            self._handles.clear()
+            self._streams.clear()
+        deltas = []
+        for rid, handle, stream in pending:
+            stream = stream or _Stream()
+            comps = [(i, False, [], (True, ""), "abort", None, None, False, None, None) for i in (stream.comps or [0])]
+            m = stream.metrics
+            metrics = (m.arrival_time, m.first_scheduled_time, m.first_token_time, time.monotonic(),
+                       m.num_preemptions, [])
+            with self._lock:
+                self._handles[rid], self._streams[rid] = handle, stream
+            deltas.append((rid, None, comps, True, message, metrics))
+        if deltas:
+            self._deliver(deltas)
