@@ -97,6 +97,9 @@ class ServeMiddleware:
                                       f"{self.body_timeout_s:g} s (--request-timeout-s)", code="request_timeout",
                                       headers=_CLOSE)
                     return
+            # The routes mark a stream they ended because its client left (streaming.event_stream):
+            # such a stream still ends with a closing body message, but it was not delivered.
+            scope["enc2dec.response"] = state
             await self.app(scope, receive, send_tracked)
         except Exception:  # noqa: BLE001 - nothing unexpected may reach the client or kill the connection
             logger.exception("request %s: unhandled error on %s %s", request_id, scope["method"], path)
@@ -108,7 +111,8 @@ class ServeMiddleware:
                 self.activity.num_active -= 1
             if self.metrics is not None:
                 # 499: the client went away before the response was complete (nginx's convention).
-                status = state["status"] if state["complete"] or state["status"] is None else 499
+                delivered = state["complete"] and not state.get("client_gone")
+                status = state["status"] if delivered or state["status"] is None else 499
                 self.metrics.requests.labels(endpoint=endpoint, status=str(status or 499)).inc()
 
     def _authorized(self, scope) -> bool:

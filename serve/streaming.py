@@ -89,4 +89,8 @@ def event_stream(request, batch, events: AsyncIterator[str]):
 
 async def _close_on_disconnect(request, batch) -> None:
     await wait_disconnect(request)
+    # Closing the batch ends the stream normally; the access metrics must still count a 499.
+    response = request.scope.get("enc2dec.response")
+    if response is not None:
+        response["client_gone"] = True
     batch.close()
