@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from enc2dec.engine.models.attention import DecoderMetadata, EncoderMetadata, KVCache, get_attention_backend
+from enc2dec.engine.models.cpu_linear import packed_cpu_linear_available, use_packed_cpu_linear
 from enc2dec.engine.core.batch import BeamCandidate, ModelRunnerOutput, SampledToken, ScheduledEncode, ScheduledSeq, SchedulerOutput
 from enc2dec.engine.core.block_manager import slot_ids
 from enc2dec.engine.parallel.distributed import SINGLE, TensorParallelGroup
@@ -135,6 +136,8 @@ class ModelRunner:
             use_triton_norms(self.model)
         if tuning.skinny_gemm and skinny_linear_enabled(device, self.backend.name):
             use_skinny_linear(self.model, fuse=tuning.fused_gemv)
+        if packed_cpu_linear_available(device, dtype):
+            use_packed_cpu_linear(self.model)
         self.tokens_per_block = args.kv_cache_config.tokens_per_block
         self.kv_plan = self._plan_kv(self._profile_encoder_activations(max_input_len))
         self.kv = KVCache.allocate(self.model.num_decoder_layers, self.model.num_decoder_heads,
