@@ -44,6 +44,8 @@ class EncoderDecoderLM(nn.Module):
     tp = SINGLE                      # a subclass built with a TensorParallelGroup sets its own
     # A tensor the checkpoint may omit, filled with zeros when absent (BART's final_logits_bias).
     optional_zero_tensors: tuple[str, ...] = ()
+    # (hidden, weight) -> logits; engine/models/cpu_linear.py swaps in a packed CPU product.
+    head_product = staticmethod(F.linear)
 
     num_decoder_layers: int
     num_decoder_heads: int
@@ -62,7 +64,7 @@ class EncoderDecoderLM(nn.Module):
         if self.logits_scale != 1.0:
             hidden = hidden * self.logits_scale
         weight = self.lm_head.weight if self.lm_head is not None else self.embed_tokens.weight
-        logits = F.linear(hidden, weight)
+        logits = self.head_product(hidden, weight)
         bias = getattr(self, "final_logits_bias", None)        # [1, vocab] (BART) or absent
         if bias is not None:
             logits = logits + bias

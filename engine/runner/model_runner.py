@@ -6,15 +6,18 @@ owns the KV cache, the per-request sampling state and the attention metadata.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from dataclasses import dataclass
 
 import torch
 
 from enc2dec.engine.models.attention import DecoderMetadata, EncoderMetadata, KVCache, get_attention_backend
+from enc2dec.engine.models.cpu_linear import packed_cpu_linear_available, use_packed_cpu_linear
 from enc2dec.engine.core.batch import BeamCandidate, ModelRunnerOutput, SampledToken, ScheduledEncode, ScheduledSeq, SchedulerOutput
 from enc2dec.engine.core.block_manager import slot_ids
 from enc2dec.engine.parallel.distributed import SINGLE, TensorParallelGroup
+from enc2dec.engine.runner.cpu_threads import on_fresh_thread
 from enc2dec.engine.runner.fast_linear import skinny_linear_enabled, use_skinny_linear
 from enc2dec.engine.runner.fast_norms import use_triton_norms
 from enc2dec.engine.runner.host_to_device import to_device
@@ -107,6 +110,14 @@ class ModelRunner:
 
     def __init__(self, args, hf_config, model_path, device: torch.device, dtype: torch.dtype,
                  attn_backend: str, max_input_len: int, feature_extractor=None, tp: TensorParallelGroup = SINGLE):
+        build = functools.partial(self._build, args, hf_config, model_path, device, dtype, attn_backend,
+                                  max_input_len, feature_extractor, tp)
+        if device.type == "cpu" and tp.size == 1:
+            on_fresh_thread(build)       # so the engine thread holds the only OpenMP pool (cpu_threads.py)
+        else:
+            build()
+
+    def _build(self, args, hf_config, model_path, device, dtype, attn_backend, max_input_len, feature_extractor, tp):
         self.args = args
         self.device = device
         self.dtype = dtype
@@ -125,6 +136,8 @@ class ModelRunner:
             use_triton_norms(self.model)
         if tuning.skinny_gemm and skinny_linear_enabled(device, self.backend.name):
             use_skinny_linear(self.model, fuse=tuning.fused_gemv)
+        if packed_cpu_linear_available(device, dtype):
+            use_packed_cpu_linear(self.model)
         self.tokens_per_block = args.kv_cache_config.tokens_per_block
         self.kv_plan = self._plan_kv(self._profile_encoder_activations(max_input_len))
         self.kv = KVCache.allocate(self.model.num_decoder_layers, self.model.num_decoder_heads,
