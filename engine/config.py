@@ -155,10 +155,10 @@ class TuningConfig:
     fused_gemv: bool = True               # pre-norms, MLP activations and K/V stores ride in that GEMV
     attn_min_keys_per_split: int = 32     # fewest keys a split-K paged-attention program gets
     tp_timeout_s: float = 600.0           # longest wait of a tensor-parallel collective or worker start-up
-    # Encoder positions admitted in a step that also decodes running sequences: one full-length
-    # encoder input by default (0 = max_input_len: one Whisper clip), so admitting requests costs
-    # the running ones at most about one encoder pass of latency per step. Raise it to
-    # encoder_max_num_tokens to admit as much as fits (faster fill, spikier inter-token latency).
+    # Encoder positions admitted in a step that also decodes running sequences. 0 (auto): one
+    # clip for Whisper, so admitting requests costs the running ones at most one encoder pass of
+    # latency per step; no bound for text models, whose encoders are cheap. A value bounds any
+    # model (smoother inter-token latency, slower fill after a burst of arrivals).
     encoder_tokens_while_decoding: int = 0
 
     def __post_init__(self):

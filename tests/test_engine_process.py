@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
+import subprocess
+import sys
+import textwrap
 
 import httpx
 import numpy as np
@@ -145,16 +149,28 @@ def test_whisper_transcripts_match_the_in_process_engine(real_whisper, real_tiny
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_on_gpu_the_parent_never_initialises_cuda_and_outputs_match(flan_t5):
-    options = dict(OPTIONS, dtype="bfloat16", device="cuda")
+def test_on_gpu_the_parent_never_initialises_cuda_and_outputs_match(flan_t5, tmp_path):
+    # A fresh interpreter: in this one an earlier GPU test may already have initialised CUDA.
+    script = tmp_path / "remote.py"
+    script.write_text(textwrap.dedent(f"""
+        import json, torch
+        from enc2dec.engine import LLM, KvCacheConfig, SamplingParams
+        if __name__ == "__main__":
+            params = SamplingParams(max_tokens=16, ignore_eos=True)
+            with LLM({str(flan_t5)!r}, engine_process=True, **{dict(OPTIONS, dtype="bfloat16", device="cuda")!r}) as llm:
+                got = llm.generate({PROMPTS!r}, params, use_tqdm=False)
+                streamed = [o.outputs[0].text for o in llm.generate_async({PROMPTS[0]!r}, params, streaming=True)]
+                print(json.dumps({{"ids": [o.outputs[0].token_ids for o in got], "streamed": streamed[-1],
+                                  "cuda_in_parent": torch.cuda.is_initialized()}}))
+    """))
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    remote = json.loads(run.stdout.strip().splitlines()[-1])
+    assert remote["cuda_in_parent"] is False                  # CUDA lives in the engine process only
     params = SamplingParams(max_tokens=16, ignore_eos=True)
-    with LLM(flan_t5, engine_process=True, **options) as remote:
-        got = remote.generate(PROMPTS, params, use_tqdm=False)
-        streamed = [o.outputs[0].text for o in remote.generate_async(PROMPTS[0], params, streaming=True)]
-        assert not torch.cuda.is_initialized()       # CUDA lives in the engine process only
-    with LLM(flan_t5, **options) as local:
+    with LLM(flan_t5, **dict(OPTIONS, dtype="bfloat16", device="cuda")) as local:
         want = local.generate(PROMPTS, params, use_tqdm=False)
-    assert _ids(got) == _ids(want) and streamed[-1] == want[0].outputs[0].text
+    assert remote["ids"] == [o.outputs[0].token_ids for o in want] and remote["streamed"] == want[0].outputs[0].text
 
 
 def test_serve_defaults_to_an_engine_process_unless_the_config_or_option_says_no(tmp_path):
