@@ -300,7 +300,8 @@ def _transcribe_here(o: dict, args, files: list[str], formats: list[str]):
 def _transcribe_on_ray(o: dict, args, files: list[str], formats: list[str]):
     """The same transcripts from ``--ray-actors`` engines on a Ray cluster (the load is inside the
     wall time there: the actors load their engines while the first files wait)."""
-    from enc2dec.engine.whisper.ray_data import connect, transcribe_files
+    from enc2dec.engine.ray_cluster import connect
+    from enc2dec.engine.whisper.ray_data import transcribe_files
     from enc2dec.engine.whisper.subtitles import TIMED_FORMATS
 
     connect(o["ray_address"], num_cpus=o["ray_actors"] + 1 if o["ray_address"] == "local" else None)

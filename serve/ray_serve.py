@@ -105,7 +105,7 @@ def run(config: ServeConfig, llm_args, address: str, **deployment_options) -> in
     """``enc2dec serve --ray-address``: deploy on the cluster and block until interrupted."""
     import time
 
-    from enc2dec.engine.whisper.ray_data import connect
+    from enc2dec.engine.ray_cluster import connect
     from ray import serve
 
     connect(address)

@@ -101,3 +101,24 @@ def test_ray_data_rows_of_bytes_keep_their_names_and_report_bad_audio(cluster, r
     for r in rows:
         t = pickle.loads(got[r["audio"]]["transcript"])
         assert t.error is None and t.text == got[r["audio"]]["text"] and len(t.text.split()) > 3
+
+
+def test_ray_data_text_rows_get_the_engine_greedy_generation(cluster, t5_relu):
+    from enc2dec.engine.whisper.ray_data import TextGenerator, actor_options
+
+    prompts = ["translate the house is big", "summarize: a cat sat", "stream me some words"]
+    args = build_llm_args(t5_relu, defaults={"dtype": "float32", "max_batch_size": 8, "max_input_len": 64, **KV},
+                          device="cpu")
+    out = ray.data.from_items([{"prompt": p, "id": i} for i, p in enumerate(prompts)]).map_batches(
+        TextGenerator, **actor_options(args, {"sampling": {"max_tokens": 10}}, rows_per_batch=2))
+    got = {row["id"]: row for row in out.iter_rows()}
+    with LLM(t5_relu, dtype="float32", max_batch_size=8, max_input_len=64,
+             kv_cache_config=KvCacheConfig(**KV["kv_cache_config"])) as llm:
+        ref = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0), use_tqdm=False)
+    assert [got[i]["generation"] for i in range(3)] == [r.outputs[0].text for r in ref]
+    assert [got[i]["prompt"] for i in range(3)] == prompts         # the input columns pass through
+
+
+def test_serve_ray_autoscaling_must_be_a_json_object():
+    r = CliRunner().invoke(cli_app, ["serve", "x", "--ray-address", "local", "--ray-autoscaling", "[1, 2]"])
+    assert r.exit_code == 2 and "--ray-autoscaling must be a JSON object" in r.output
