@@ -136,8 +136,11 @@ def actor_options(llm_args, options: dict | None = None, *, concurrency: int = 1
     if num_gpus is None:
         num_gpus = 0 if str(getattr(llm_args, "device", "auto")).startswith("cpu") or not _has_cuda() else (
             llm_args.tensor_parallel_size)
+    from ray.data import ActorPoolStrategy
+
     return dict(fn_constructor_args=(llm_args,), fn_constructor_kwargs=dict(options or {}),
-                concurrency=concurrency, batch_size=rows_per_batch, num_gpus=num_gpus, num_cpus=num_cpus)
+                compute=ActorPoolStrategy(size=concurrency), batch_size=rows_per_batch, num_gpus=num_gpus,
+                num_cpus=num_cpus)
 
 
 def _has_cuda() -> bool:
