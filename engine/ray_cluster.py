@@ -20,3 +20,18 @@ def connect(address: str, num_cpus: int | None = None):
     except (ConnectionError, RuntimeError) as e:
         raise ValueError(f"--ray-address {address}: cannot connect to a Ray cluster: {e}") from None
     return ray
+
+
+def gpus_per_engine(llm_args) -> float:
+    """The GPUs one engine (a Serve replica, a Data actor) asks Ray for: its tensor-parallel size on
+    CUDA, none on the CPU. ``device="auto"`` follows the cluster (this process may be a CPU-only
+    head node, so its own CUDA says nothing)."""
+    device = str(getattr(llm_args, "device", "auto") or "auto")
+    if device.startswith("cpu"):
+        return 0
+    if device == "auto":
+        import ray
+
+        if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) == 0:
+            return 0
+    return llm_args.tensor_parallel_size

@@ -59,19 +59,6 @@ class _Replica:
             raise RuntimeError(f"the engine is not healthy: {front.error or front.state}")
 
 
-def replica_gpus(llm_args) -> float:
-    """GPUs per replica: the engine's tensor-parallel size on CUDA, none on the CPU."""
-    device = str(getattr(llm_args, "device", "auto") or "auto")
-    if device.startswith("cpu"):
-        return 0
-    if device == "auto":
-        import ray
-
-        if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) == 0:
-            return 0
-    return llm_args.tensor_parallel_size
-
-
 def build_application(config: ServeConfig, llm_args, *, num_replicas: int | None = None,
                       autoscaling_config: dict | None = None, num_gpus: float | None = None,
                       num_cpus: float = 1, max_ongoing_requests: int | None = None):
@@ -81,13 +68,15 @@ def build_application(config: ServeConfig, llm_args, *, num_replicas: int | None
     ``max_queue``: the engine queues and batches what Ray lets through."""
     from ray import serve
 
+    from enc2dec.engine.ray_cluster import gpus_per_engine
+
     if num_replicas is not None and autoscaling_config is not None:
         raise ValueError("give num_replicas or autoscaling_config, not both")
     if num_replicas is not None and num_replicas < 1:
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
     options = dict(
         name=DEPLOYMENT_NAME,
-        ray_actor_options={"num_gpus": replica_gpus(llm_args) if num_gpus is None else num_gpus,
+        ray_actor_options={"num_gpus": gpus_per_engine(llm_args) if num_gpus is None else num_gpus,
                            "num_cpus": num_cpus},
         max_ongoing_requests=max_ongoing_requests or config.max_queue,
         graceful_shutdown_timeout_s=config.drain_timeout_s,

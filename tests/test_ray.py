@@ -122,3 +122,14 @@ def test_ray_data_text_rows_get_the_engine_greedy_generation(cluster, t5_relu):
 def test_serve_ray_autoscaling_must_be_a_json_object():
     r = CliRunner().invoke(cli_app, ["serve", "x", "--ray-address", "local", "--ray-autoscaling", "[1, 2]"])
     assert r.exit_code == 2 and "--ray-autoscaling must be a JSON object" in r.output
+
+
+def test_an_engine_asks_ray_for_its_tensor_parallel_gpus_and_none_on_the_cpu(cluster):
+    from dataclasses import replace
+
+    from enc2dec.engine.ray_cluster import gpus_per_engine
+
+    args = build_llm_args("m", device="cuda", tensor_parallel_size=2)
+    assert gpus_per_engine(args) == 2
+    assert gpus_per_engine(replace(args, device="cpu")) == 0
+    assert gpus_per_engine(replace(args, device="auto")) == 0          # the 2-CPU test cluster has no GPU

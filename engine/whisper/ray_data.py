@@ -129,25 +129,19 @@ def actor_options(llm_args, options: dict | None = None, *, concurrency: int = 1
     keywords (``transcribe()``'s for ``WhisperTranscriber``, ``sampling`` for ``TextGenerator``);
     ``concurrency`` actors, each holding ``tensor_parallel_size`` GPUs on a CUDA engine
     (``num_gpus`` overrides) and none on the CPU; ``rows_per_batch`` rows per call."""
+    from ray.data import ActorPoolStrategy
+
+    from enc2dec.engine.ray_cluster import gpus_per_engine
+
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     if rows_per_batch < 1:
         raise ValueError(f"rows_per_batch must be >= 1, got {rows_per_batch}")
     if num_gpus is None:
-        num_gpus = 0 if str(getattr(llm_args, "device", "auto")).startswith("cpu") or not _has_cuda() else (
-            llm_args.tensor_parallel_size)
-    from ray.data import ActorPoolStrategy
-
+        num_gpus = gpus_per_engine(llm_args)
     return dict(fn_constructor_args=(llm_args,), fn_constructor_kwargs=dict(options or {}),
                 compute=ActorPoolStrategy(size=concurrency), batch_size=rows_per_batch, num_gpus=num_gpus,
                 num_cpus=num_cpus)
-
-
-def _has_cuda() -> bool:
-    """GPUs in the cluster (this process may be a CPU-only head node)."""
-    import ray
-
-    return ray.cluster_resources().get("GPU", 0) > 0
 
 
 def transcribe_files(files: Sequence[str], llm_args, *, concurrency: int = 1, files_per_batch: int = 8,
