@@ -34,7 +34,7 @@ Examples:
 REQUIRED_MODULES = ("fastapi", "uvicorn", "pydantic", "multipart", "prometheus_client")
 
 
-S, E = "Server", "Engine"
+S, E, R = "Server", "Engine", "Ray"
 # serve's own engine defaults where the config leaves a key unset: the step loop in its own
 # process, away from the event loop's GIL (the library API's LLM keeps one process).
 SERVE_ENGINE_DEFAULTS = {"engine_process": True}
@@ -88,6 +88,13 @@ def serve(
                                                          "none (CORS off).", S)] = None,
     log_level: Annotated[str, option("critical, error, warning, info or debug (debug adds an access log).",
                                    S)] = "info",
+    ray_address: Annotated[OptStr, option("Deploy on a Ray cluster with Ray Serve instead (one engine per replica, "
+                                        "Ray's proxy on --host/--port): auto, local or an address such as "
+                                        "ray://head:10001. Needs the ray extra; see docs/parallel.md.", R)] = None,
+    ray_replicas: Annotated[int, option("With --ray-address: a fixed number of replicas.", R)] = 1,
+    ray_autoscaling: Annotated[OptStr, option("With --ray-address: Ray Serve's autoscaling_config as JSON (instead "
+                                            "of --ray-replicas), e.g. '{\"min_replicas\": 1, \"max_replicas\": 8, "
+                                            "\"target_ongoing_requests\": 32}'.", R)] = None,
 ) -> None:
     missing = [m for m in REQUIRED_MODULES if not _importable(m)]
     if missing:
@@ -115,6 +122,8 @@ def serve(
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
     _setup_logging(cfg.log_level)
+    if ray_address:
+        raise typer.Exit(_serve_on_ray(cfg, llm_args, ray_address, ray_replicas, ray_autoscaling))
     from enc2dec.serve.server import run_server
 
     try:
@@ -128,6 +137,21 @@ def serve(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _serve_on_ray(cfg, llm_args, address: str, replicas: int, autoscaling: str | None) -> int:
+    import json
+
+    try:
+        scaling = json.loads(autoscaling) if autoscaling else None
+        if scaling is not None and not isinstance(scaling, dict):
+            raise ValueError("--ray-autoscaling must be a JSON object")
+        from enc2dec.serve.ray_serve import run
+
+        return run(cfg, llm_args, address, num_replicas=None if scaling else replicas, autoscaling_config=scaling)
+    except ValueError as e:          # bad JSON, no Ray, no cluster, a bad replica count
+        typer.echo(f"error: {e}", err=True)
+        return 2
 
 
 def _importable(module: str) -> bool:

@@ -128,6 +128,12 @@ def transcribe(
     device: Annotated[OptStr, option("auto, cpu, cuda or cuda:N.", E)] = None,
     tp_size: Annotated[Optional[int], option("Tensor-parallel GPUs (tensor_parallel_size); the attention head "
                                            "counts must divide by it.", E, "--tp-size", "--tp_size")] = None,
+    ray_address: Annotated[OptStr, option("Transcribe on a Ray cluster through Ray Data: auto (the cluster on this "
+                                        "machine), local (start one here), or an address such as "
+                                        "ray://head:10001. Files must be readable at the same path on every "
+                                        "node. Needs the ray extra.", E)] = None,
+    ray_actors: Annotated[int, option("With --ray-address: engines (Ray actors) transcribing side by side, "
+                                    "each on --tp-size GPUs.", E)] = 1,
 ) -> None:
     options = dict(locals())
     from .common import run_command
@@ -160,6 +166,8 @@ def _check_options(o: dict) -> tuple[list[str], list[str]]:
         raise _UsageError(f"--task {o['task']!r} is not valid; valid: {', '.join(TASKS)}")
     if o["batch_size"] < 1:
         raise _UsageError(f"--batch-size must be >= 1, got {o['batch_size']}")
+    if o["ray_actors"] < 1:
+        raise _UsageError(f"--ray-actors must be >= 1, got {o['ray_actors']}")
     o["decode"] = _decode_options(o)
     formats = _formats(o["output_format"], o["output_dir"])
     if o["subtitle_words"] and not any(f in ("srt", "vtt") for f in formats):
@@ -242,15 +250,23 @@ def _llm_args(o: dict):
 
 
 def _run(o: dict) -> int:
+    files, formats = _check_options(o)
+    args = _llm_args(o)
+    if o["ray_address"]:
+        results, wall_s, load_s = _transcribe_on_ray(o, args, files, formats)
+    else:
+        results, wall_s, load_s = _transcribe_here(o, args, files, formats)
+    return _write(o, args, files, formats, results, wall_s, load_s)
+
+
+def _transcribe_here(o: dict, args, files: list[str], formats: list[str]):
     from enc2dec.engine.launch import start_llm
-    from enc2dec.engine.whisper.subtitles import TIMED_FORMATS, output_stems, render, write_outputs
-    from enc2dec.engine.whisper.transcribe import transcribe as run_transcribe
+    from enc2dec.engine.whisper.subtitles import TIMED_FORMATS
     from enc2dec.engine.whisper.tokens import engine_whisper_info
+    from enc2dec.engine.whisper.transcribe import transcribe as run_transcribe
 
     from .transcribe_progress import make_progress
 
-    files, formats = _check_options(o)
-    args = _llm_args(o)
     progress = make_progress(quiet=o["quiet"])
     try:
         t0 = time.perf_counter()
@@ -278,6 +294,34 @@ def _run(o: dict) -> int:
                 raise _UsageError(str(e)) from None
     finally:
         progress.stop()
+    return results, wall_s, load_s
+
+
+def _transcribe_on_ray(o: dict, args, files: list[str], formats: list[str]):
+    """The same transcripts from ``--ray-actors`` engines on a Ray cluster (the load is inside the
+    wall time there: the actors load their engines while the first files wait)."""
+    from enc2dec.engine.ray_cluster import connect
+    from enc2dec.engine.whisper.ray_data import transcribe_files
+    from enc2dec.engine.whisper.subtitles import TIMED_FORMATS
+
+    connect(o["ray_address"], num_cpus=o["ray_actors"] + 1 if o["ray_address"] == "local" else None)
+    timed = any(f in TIMED_FORMATS for f in formats if f != "json")
+    t0 = time.perf_counter()
+    try:
+        results = transcribe_files(files, args, concurrency=o["ray_actors"], language=o["language"],
+                                   task=o["task"], strategy=o["strategy"],
+                                   timestamps=True if o["timestamps"] or timed else ("auto" if "json" in formats
+                                                                                   else False),
+                                   batch_size=o["batch_size"], beam_size=o["beam_size"], **o["decode"],
+                                   word_timestamps=o["word_timestamps"] or o["subtitle_words"])
+    except ValueError as e:
+        raise _UsageError(str(e)) from None
+    return results, time.perf_counter() - t0, 0.0
+
+
+def _write(o: dict, args, files: list[str], formats: list[str], results, wall_s: float, load_s: float) -> int:
+    from enc2dec.engine.whisper.subtitles import output_stems, render, write_outputs
+
     stems = output_stems([t.source for t in results])
     ok = [t for t in results if t.error is None]
     for t in ok:
@@ -293,10 +337,11 @@ def _run(o: dict) -> int:
     audio_s = sum(t.duration_s for t in ok)
     speed = f"{audio_s / wall_s:.1f}x real time" if wall_s > 0 and audio_s > 0 else "no audio"
     failed = len(results) - len(ok)
+    loaded = f"{o['ray_actors']} Ray actor(s)" if o["ray_address"] else f"model load {load_s:.1f} s"
     where = f"; wrote {len(ok) * len(formats)} files to {o['output_dir']}" if o["output_dir"] and ok else ""
     typer.echo(f"transcribed {len(ok)} of {len(results)} files{f' ({failed} failed)' if failed else ''}: "
-               f"{audio_s:.1f} s of audio in {wall_s:.1f} s, {speed} ({o['strategy']}, {args.model}, model "
-               f"load {load_s:.1f} s){where}", err=True)
+               f"{audio_s:.1f} s of audio in {wall_s:.1f} s, {speed} ({o['strategy']}, {args.model}, "
+               f"{loaded}){where}", err=True)
     return 1 if failed else 0
 
 
