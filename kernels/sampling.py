@@ -172,6 +172,11 @@ def _rejection_rounds(base, vocab, row0, row1, shift, total, top_p, min_p, winne
 # only a winner in the tail of the filtered mass).
 SPLIT_ROUNDS = 2
 SPLIT_TARGET_WAVES = 4      # programs per SM to aim for: 4-warp programs need several to hide the hash math
+# A long row is split further, to chunks of about SPLIT_CHUNK_BLOCKS blocks, while the programs stay
+# within SPLIT_MAX_WAVES per SM: at 256 x 51,866 on the H200 2 splits took 221 us, 8 took 137 and
+# 16 took 133 (bench/scripts/race_bench.py, docs/benchmarks.md Run M).
+SPLIT_CHUNK_BLOCKS = 8
+SPLIT_MAX_WAVES = 16
 MIN_SPLIT_BLOCKS = 4        # a chunk shorter than this many blocks costs more in merging than it saves
 
 
@@ -378,11 +383,13 @@ def filtered_race(scores: torch.Tensor, floor: torch.Tensor, top_p: torch.Tensor
 
 
 def race_splits(rows: int, vocab: int, block: int = BLOCK, device: torch.device | None = None) -> int:
-    """Programs per row for ``filtered_race``: enough for ``SPLIT_TARGET_WAVES`` programs per SM
+    """Programs per row for ``filtered_race``: enough for ``SPLIT_TARGET_WAVES`` programs per SM,
+    or chunks of about ``SPLIT_CHUNK_BLOCKS`` blocks while that stays within ``SPLIT_MAX_WAVES``
     (a power of two, so few kernel variants), none shorter than ``MIN_SPLIT_BLOCKS`` blocks;
     1 (the per-row kernel) once the rows alone fill the GPU."""
-    want = SPLIT_TARGET_WAVES * _sm_count(device) // max(rows, 1)
-    most = -(-vocab // block) // MIN_SPLIT_BLOCKS
+    sms, rows, blocks = _sm_count(device), max(rows, 1), -(-vocab // block)
+    want = max(SPLIT_TARGET_WAVES * sms // rows, min(blocks // SPLIT_CHUNK_BLOCKS, SPLIT_MAX_WAVES * sms // rows))
+    most = blocks // MIN_SPLIT_BLOCKS
     splits = min(want, most)
     return 1 << (splits.bit_length() - 1) if splits > 1 else 1
 

@@ -294,3 +294,5 @@ def test_split_choice_fills_the_gpu_but_keeps_chunks_long():
         splits = sampling.race_splits(rows, 32128)
         assert -(-32128 // sampling.BLOCK) // splits >= sampling.MIN_SPLIT_BLOCKS
     assert sampling.race_splits(1, 300, block=64) == 1          # 5 blocks: too short to split
+    # a long row among many is still cut to chunks of about SPLIT_CHUNK_BLOCKS (Whisper's vocab at C=256)
+    assert -(-51866 // sampling.BLOCK) // sampling.race_splits(256, 51866) < 2 * sampling.SPLIT_CHUNK_BLOCKS
