@@ -75,7 +75,11 @@ def make_server(app, config: ServeConfig):
     uv_config = uvicorn.Config(app, log_level=config.log_level, access_log=config.log_level == "debug",
                                timeout_keep_alive=config.keep_alive_s,
                                timeout_graceful_shutdown=_slice_s(config.drain_timeout_s),
-                               lifespan="on")
+                               # h11 whatever else is installed: uvicorn would pick httptools when
+                               # present (uvicorn[standard], e.g. through ray[serve]), and that parser
+                               # refuses bad framing itself with a bare 400 before our middleware can
+                               # answer it in the API's JSON error format.
+                               http="h11", lifespan="on")
     return DrainingServer(uv_config)
 
 

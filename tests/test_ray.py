@@ -6,6 +6,7 @@ single-process command's text and files."""
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
@@ -22,8 +23,16 @@ from enc2dec.engine.launch import build_llm_args  # noqa: E402
 KV = {"kv_cache_config": {"cross_kv_cache_fraction": 0.5, "tokens_per_block": 4, "max_cpu_memory_bytes": 32 << 20}}
 
 
+def _logging_state() -> dict:
+    loggers = [logging.root, *(v for v in logging.root.manager.loggerDict.values() if isinstance(v, logging.Logger))]
+    return {lg: (list(lg.handlers), lg.level, lg.propagate) for lg in loggers}
+
+
 @pytest.fixture(scope="module")
 def cluster():
+    # Ray and Ray Serve attach handlers to loggers, some bound to the stream that a CliRunner
+    # test had as stderr; left in place, every later test that logs writes to a closed stream.
+    before = _logging_state()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     yield ray
@@ -31,6 +40,8 @@ def cluster():
 
     serve.shutdown()
     ray.shutdown()
+    for lg, state in _logging_state().items():
+        lg.handlers[:], lg.level, lg.propagate = before.get(lg, ([], logging.NOTSET, True))
 
 
 def _free_port() -> int:

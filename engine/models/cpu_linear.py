@@ -65,17 +65,25 @@ class PackedHead:
         return packed_linear(self.packs, hidden, weight, None)
 
 
+# Each packed class names the class it replaced (``plain_class``), so another path that swaps
+# linear classes (the skinny GEMV, which tests apply on the CPU too) finds the plain one.
 class PackedCpuLinear(nn.Linear):
+    plain_class = nn.Linear
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _packed_linear(self, x, self.bias)
 
 
 class PackedCpuMergedLinear(MergedLinear):
+    plain_class = MergedLinear
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _packed_linear(self, x, self.bias)
 
 
 class PackedCpuRowParallelLinear(RowParallelLinear):
+    plain_class = RowParallelLinear
+
     def local_product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return _packed_linear(self, x, bias)
 

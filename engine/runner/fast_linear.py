@@ -156,7 +156,7 @@ def use_skinny_linear(model: nn.Module, fuse: bool = True) -> int:
     whose work rides in their GEMV); returns how many linear layers."""
     count = fused = 0
     for module in model.modules():
-        cls = _SKINNY_CLASSES.get(type(module))
+        cls = _SKINNY_CLASSES.get(getattr(type(module), "plain_class", type(module)))
         if cls is not None:
             module.__class__ = cls
             count += 1

@@ -134,9 +134,12 @@ class ModelRunner:
         # The GPU kernels, applied from outside the model (before any graph captures it).
         if device.type == "cuda":
             use_triton_norms(self.model)
-        if tuning.skinny_gemm and skinny_linear_enabled(device, self.backend.name):
+        skinny = tuning.skinny_gemm and skinny_linear_enabled(device, self.backend.name)
+        if skinny:
             use_skinny_linear(self.model, fuse=tuning.fused_gemv)
-        if packed_cpu_linear_available(device, dtype):
+        # One kernel path per linear: the skinny GEMV's classes (CUDA, or the interpreter when
+        # tests ask for it on the CPU) take fused prologues the packed CPU product cannot.
+        elif packed_cpu_linear_available(device, dtype):
             use_packed_cpu_linear(self.model)
         self.tokens_per_block = args.kv_cache_config.tokens_per_block
         self.kv_plan = self._plan_kv(self._profile_encoder_activations(max_input_len))
