@@ -385,26 +385,11 @@ class ProcessLLM:
         return {"waiting": s["waiting"], "running": s["running"]}
 
     def generate(self, inputs, sampling_params=None, use_tqdm: bool = True):
-        from enc2dec.engine.llm import _is_batch
+        from enc2dec.engine.llm import batch_of, wait_all
 
-        single = not _is_batch(inputs)
-        prompts = [inputs] if single else list(inputs)
-        if not prompts:
-            raise ValueError("generate() got an empty batch: pass at least one prompt")
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        single, prompts, params = batch_of(inputs, sampling_params)
         handles = self._add([(p, sp, False) for p, sp in zip(prompts, params)], single)
-        if use_tqdm and len(handles) > 1:
-            from tqdm.auto import tqdm
-
-            with tqdm(total=len(handles), desc="generate", unit="req") as bar:
-                results = []
-                for h in handles:
-                    results.append(h.result())
-                    bar.update(1)
-        else:
-            results = [h.result() for h in handles]
+        results = wait_all(handles, use_tqdm and len(handles) > 1)
         if self._error is not None:
             raise RuntimeError(str(self._error)) from self._error
         return results[0] if single else results

@@ -184,13 +184,7 @@ class LLM:
     # ---- public API -----------------------------------------------------------------------
     def generate(self, inputs, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True):
-        single = not _is_batch(inputs)
-        prompts = [inputs] if single else list(inputs)
-        if not prompts:
-            raise ValueError("generate() got an empty batch: pass at least one prompt")
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        single, prompts, params = batch_of(inputs, sampling_params)
         tracked = []
         for i, (p, sp) in enumerate(zip(prompts, params)):     # validate all before running any
             try:
@@ -198,7 +192,7 @@ class LLM:
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}" if not single else str(e)) from None
         handles = [self._submit(t) for t in tracked]
-        results = self._wait_all(handles, use_tqdm and len(handles) > 1)
+        results = wait_all(handles, use_tqdm and len(handles) > 1)
         if self._error is not None:      # the engine died under these requests (e.g. a TP worker did)
             raise RuntimeError(str(self._error)) from self._error
         return results[0] if single else results
@@ -312,22 +306,6 @@ class LLM:
             if cmd == "call":
                 arg[1].set_exception(RuntimeError("the LLM was shut down before the call ran"))
 
-    def _wait_all(self, handles: list[RequestHandle], show_progress: bool) -> list[RequestOutput]:
-        if not show_progress:
-            return [h.result() for h in handles]
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(handles), desc="generate", unit="req")
-        pending = set(range(len(handles)))
-        while pending:
-            done = [i for i in pending if handles[i].done()]
-            bar.update(len(done))
-            pending.difference_update(done)
-            if pending:
-                time.sleep(0.01)
-        bar.close()
-        return [h.result() for h in handles]
-
 
 def _run_call(core: EngineCore, fn, future: concurrent.futures.Future) -> None:
     if not future.set_running_or_notify_cancel():
@@ -336,6 +314,36 @@ def _run_call(core: EngineCore, fn, future: concurrent.futures.Future) -> None:
         future.set_result(fn(core))
     except Exception as e:  # noqa: BLE001 - the caller gets it; the step loop goes on
         future.set_exception(e)
+
+
+def batch_of(inputs, sampling_params) -> tuple[bool, list, list]:
+    """``generate``'s arguments as (single, prompts, one SamplingParams per prompt), validated."""
+    single = not _is_batch(inputs)
+    prompts = [inputs] if single else list(inputs)
+    if not prompts:
+        raise ValueError("generate() got an empty batch: pass at least one prompt")
+    params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+    if len(params) != len(prompts):
+        raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+    return single, prompts, params
+
+
+def wait_all(handles: list[RequestHandle], show_progress: bool) -> list[RequestOutput]:
+    """Every handle's result, in order; with a progress bar of finished requests."""
+    if not show_progress:
+        return [h.result() for h in handles]
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(handles), desc="generate", unit="req")
+    pending = set(range(len(handles)))
+    while pending:
+        done = [i for i in pending if handles[i].done()]
+        bar.update(len(done))
+        pending.difference_update(done)
+        if pending:
+            time.sleep(0.01)
+    bar.close()
+    return [h.result() for h in handles]
 
 
 def _is_batch(inputs) -> bool:
