@@ -300,6 +300,10 @@ class _Stream:
 class ProcessLLM:
     """``LLM`` with its engine in a child process (``LlmArgs.engine_process=True``)."""
 
+    # What the child runs: ``(args, conn)``. A lab script measuring the API side alone swaps in a
+    # child that speaks the same wire without a model (bench/scripts/serve_overhead.py).
+    child_main = staticmethod(_child_main)
+
     def __init__(self, args: LlmArgs):
         from enc2dec.engine.llm import RequestHandle
 
@@ -315,7 +319,7 @@ class ProcessLLM:
         self._error: BaseException | None = None
         ctx = multiprocessing.get_context("spawn")
         self._conn, child_conn = ctx.Pipe(duplex=True)
-        self._proc = ctx.Process(target=_child_main, args=(args, child_conn), name="enc2dec-engine-core",
+        self._proc = ctx.Process(target=self.child_main, args=(args, child_conn), name="enc2dec-engine-core",
                                  daemon=True)
         self._proc.start()
         child_conn.close()                       # the child's death must end our reads with EOF
