@@ -62,6 +62,8 @@ class EngineSnapshot:
     tokenizer: Any
     model_info: dict
     stats: dict
+    device: Any = None         # torch.device as the engine process sees it (its GPU 0 is its first visible one)
+    dtype: Any = None
 
 
 def _snapshot(llm) -> EngineSnapshot:
@@ -74,7 +76,7 @@ def _snapshot(llm) -> EngineSnapshot:
     runner = SimpleNamespace(model=SimpleNamespace(
         max_encoder_positions=getattr(model, "max_encoder_positions", None)))
     return EngineSnapshot(core.hf_config, processor, core.limits, runner, core.is_whisper, llm.tokenizer,
-                          llm.model_info, _stats(llm))
+                          llm.model_info, _stats(llm), core.device, core.dtype)
 
 
 def _stats(llm) -> dict:
