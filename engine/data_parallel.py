@@ -54,7 +54,7 @@ def placements(args: LlmArgs) -> list[Placement]:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         threads = max(1, cores // dp)
         # OMP_NUM_THREADS too, so the replica's own TP workers split its share, not the machine.
-        return [Placement(f"engine process of replica {i} (cpu, {threads} threads)",
+        return [Placement(f"engine process of replica {i} (cpu, {threads} thread{'s' if threads > 1 else ''})",
                           {"OMP_NUM_THREADS": str(threads)}, threads) for i in range(dp)]
     if dp * tp > num_gpus:
         raise ValueError(f"data_parallel_size={dp} x tensor_parallel_size={tp} needs {dp * tp} GPUs, but "
