@@ -124,11 +124,11 @@ def serve(
     except (ValueError, TypeError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
-    _setup_logging(cfg.log_level)
     if ray_address and llm_args.data_parallel_size > 1:
         typer.echo("error: --dp-size with --ray-address: Ray Serve runs the replicas there (--ray-replicas or "
                    "--ray-autoscaling); use one or the other", err=True)
         raise typer.Exit(2)
+    _setup_logging(cfg.log_level)
     if ray_address:
         raise typer.Exit(_serve_on_ray(cfg, llm_args, ray_address, ray_replicas, ray_autoscaling))
     from enc2dec.serve.server import run_server

@@ -193,3 +193,13 @@ def test_bench_and_eval_with_dp_size_2_through_the_cli(t5_relu, tmp_path, monkey
 
     r = CliRunner().invoke(app, ["bench", "--quiet", "--model", t5_relu, "--dp-size", "0"])
     assert r.exit_code == 2 and "data_parallel_size must be an integer >= 1" in r.output
+
+
+def test_dp_size_with_a_ray_address_is_a_usage_error(t5_relu):
+    from enc2dec.cli.main import app
+    from typer.testing import CliRunner
+
+    r = CliRunner().invoke(app, ["serve", t5_relu, "--dp-size", "2", "--ray-address", "local"])
+    assert r.exit_code == 2 and "--dp-size with --ray-address" in r.output
+    r = CliRunner().invoke(app, ["serve", t5_relu, "--dp-size", "0"])
+    assert r.exit_code == 2 and "data_parallel_size must be an integer >= 1" in r.output
