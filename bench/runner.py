@@ -49,7 +49,12 @@ class KvTracker:
 
 
 def _cuda_device(llm):
-    device = getattr(getattr(llm, "engine", None), "device", None)
+    from enc2dec.engine.engine_process import EngineSnapshot
+
+    core = getattr(llm, "engine", None)
+    if isinstance(core, EngineSnapshot):       # the engine's memory is another process's: nothing to read here
+        return None
+    device = getattr(core, "device", None)
     return device if getattr(device, "type", None) == "cuda" else None
 
 

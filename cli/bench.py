@@ -10,7 +10,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from enc2dec.cli.common import OptFloat, OptInt, OptStr, command_line, option, run_command
+from enc2dec.cli.common import (DP_SIZE_FLAGS, DP_SIZE_HELP, OptFloat, OptInt, OptStr, command_line, option,
+                                run_command)
 
 HELP = """Benchmark a model: closed-loop clients keep C requests in flight at each
 concurrency level.
@@ -88,6 +89,7 @@ def bench(
     tp_size: Annotated[OptInt, typer.Option("--tp-size", "--tp_size", rich_help_panel="Engine",
                                             help="Tensor-parallel GPUs (tensor_parallel_size); the attention "
                                                  "head counts must divide by it.")] = None,
+    dp_size: Annotated[OptInt, typer.Option(*DP_SIZE_FLAGS, rich_help_panel="Engine", help=DP_SIZE_HELP)] = None,
     url: Annotated[OptStr, _engine("Bench a running OpenAI-compatible server (http://host:port) instead of "
                                    "the in-process engine.")] = None,
     concurrency: Annotated[str, _work("Comma-separated levels; each keeps C requests in flight.")] = "1,8,32,64",
@@ -170,7 +172,8 @@ def _options(o: dict):
     opts = BenchOptions(
         model=o["model"], load_format=o["load_format"], dtype=o["dtype"], device=o["device"], config=o["config"],
         engine_overrides={**{k: o[k] for k in engine_keys if o[k] is not None},
-                          **({"tensor_parallel_size": o["tp_size"]} if o["tp_size"] is not None else {})},
+                          **({"tensor_parallel_size": o["tp_size"]} if o["tp_size"] is not None else {}),
+                          **({"data_parallel_size": o["dp_size"]} if o["dp_size"] is not None else {})},
         concurrency=_int_list(o["concurrency"], "--concurrency"),
         num_requests=_int_list(o["num_requests"], "--num-requests") if o["num_requests"] else None,
         duration_s=o["duration"], warmup=o["warmup"], input_len=o["input_len"], output_len=o["output_len"],

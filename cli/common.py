@@ -15,6 +15,12 @@ import typer
 
 OptStr, OptInt, OptFloat = Optional[str], Optional[int], Optional[float]
 
+# --dp-size, the same on every command (data_parallel_size; docs/parallel.md).
+DP_SIZE_HELP = ("Data-parallel engine replicas (data_parallel_size), each in its own process with its own copy of "
+                "the model on --tp-size GPUs (replica i on the i-th group of visible GPUs; on the CPU each gets "
+                "cores/N threads); each request goes to the least loaded replica.")
+DP_SIZE_FLAGS = ("--dp-size", "--dp_size")
+
 
 def option(help_text: str, panel: str, *names: str, **kw):
     """A Typer option shown under ``panel`` in ``--help``."""

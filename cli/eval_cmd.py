@@ -10,7 +10,8 @@ from typing import Annotated
 
 import typer
 
-from enc2dec.cli.common import OptFloat, OptInt, OptStr, command_line, option, run_command
+from enc2dec.cli.common import (DP_SIZE_FLAGS, DP_SIZE_HELP, OptFloat, OptInt, OptStr, command_line, option,
+                                run_command)
 
 HELP = """Score a model on a dataset and against transformers' own outputs.
 
@@ -68,6 +69,7 @@ def eval_command(
     tp_size: Annotated[OptInt, typer.Option("--tp-size", "--tp_size", rich_help_panel="Engine",
                                             help="Tensor-parallel GPUs (tensor_parallel_size); the attention "
                                                  "head counts must divide by it.")] = None,
+    dp_size: Annotated[OptInt, typer.Option(*DP_SIZE_FLAGS, rich_help_panel="Engine", help=DP_SIZE_HELP)] = None,
     load_format: Annotated[OptStr, _engine("auto, or dummy (random weights; needs --reference none).")] = None,
     max_tokens: Annotated[OptInt, _engine("Most output tokens per row (default 128 text, 224 Whisper).")] = None,
     batch_size: Annotated[OptInt, _engine("transformers' batch size and the engine's max_batch_size "
@@ -102,7 +104,8 @@ def _options(o: dict):
         thresholds={k: o[k] for k in ("min_parity", "min_bleu", "max_wer", "min_rouge") if o[k] is not None},
         config=o["config"],
         engine_overrides={"dtype": o["dtype"], "device": o["device"], "load_format": o["load_format"],
-                          "max_batch_size": o["batch_size"], "tensor_parallel_size": o["tp_size"]},
+                          "max_batch_size": o["batch_size"], "tensor_parallel_size": o["tp_size"],
+                          "data_parallel_size": o["dp_size"]},
         report_json=o["report_json"], save_outputs=o["save_outputs"], command=command_line(o["ctx"], "eval"))
 
 

@@ -15,7 +15,7 @@ from typing import Annotated
 
 import typer
 
-from enc2dec.cli.common import OptInt, OptStr, option
+from enc2dec.cli.common import DP_SIZE_FLAGS, DP_SIZE_HELP, OptInt, OptStr, option
 
 HELP = """Serve a model over HTTP with OpenAI's API.
 
@@ -52,6 +52,8 @@ def serve(
     tokenizer: Annotated[OptStr, option("Tokenizer folder or id, if not the model's.", E)] = None,
     max_batch_size: Annotated[OptInt, option("Most decoder sequences running at once.", E)] = None,
     tp_size: Annotated[OptInt, option("Tensor-parallel GPUs.", E, "--tp-size", "--tp_size")] = None,
+    dp_size: Annotated[OptInt, option(DP_SIZE_HELP + " /health and /metrics report each replica.", E,
+                                      *DP_SIZE_FLAGS)] = None,
     max_beam_width: Annotated[OptInt, option("Widest beam search a request may ask for (best_of with "
                                            "use_beam_search); each beam is a decoder sequence.", E,
                                            "--max-beam-width", "--max_beam_width")] = None,
@@ -116,11 +118,16 @@ def serve(
                           log_level=log_level)
         llm_args = build_llm_args(model, config, load_format=load_format, dtype=dtype, device=device,
                                   tokenizer=tokenizer, max_batch_size=max_batch_size,
-                                  tensor_parallel_size=tp_size, max_beam_width=max_beam_width,
+                                  tensor_parallel_size=tp_size, data_parallel_size=dp_size,
+                                  max_beam_width=max_beam_width,
                                   engine_process=engine_process, defaults=SERVE_ENGINE_DEFAULTS)
     except (ValueError, TypeError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
+    if ray_address and llm_args.data_parallel_size > 1:
+        typer.echo("error: --dp-size with --ray-address: Ray Serve runs the replicas there (--ray-replicas or "
+                   "--ray-autoscaling); use one or the other", err=True)
+        raise typer.Exit(2)
     _setup_logging(cfg.log_level)
     if ray_address:
         raise typer.Exit(_serve_on_ray(cfg, llm_args, ray_address, ray_replicas, ray_autoscaling))

@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from enc2dec.cli.common import OptStr, option
+from enc2dec.cli.common import DP_SIZE_FLAGS, DP_SIZE_HELP, OptStr, option
 
 HELP = """Transcribe (or translate to English) audio files with Whisper.
 
@@ -128,6 +128,8 @@ def transcribe(
     device: Annotated[OptStr, option("auto, cpu, cuda or cuda:N.", E)] = None,
     tp_size: Annotated[Optional[int], option("Tensor-parallel GPUs (tensor_parallel_size); the attention head "
                                            "counts must divide by it.", E, "--tp-size", "--tp_size")] = None,
+    dp_size: Annotated[Optional[int], option(DP_SIZE_HELP + " --batch-size windows decode at once on each "
+                                             "replica.", E, *DP_SIZE_FLAGS)] = None,
     ray_address: Annotated[OptStr, option("Transcribe on a Ray cluster through Ray Data: auto (the cluster on this "
                                         "machine), local (start one here), or an address such as "
                                         "ray://head:10001. Files must be readable at the same path on every "
@@ -241,7 +243,8 @@ def _llm_args(o: dict):
 
     try:
         args = build_llm_args(o["model"], o["config"], load_format=o["load_format"], dtype=o["dtype"],
-                              device=o["device"], tensor_parallel_size=o["tp_size"])
+                              device=o["device"], tensor_parallel_size=o["tp_size"],
+                              data_parallel_size=o["dp_size"])
         if args.max_beam_width < o["beam_size"]:      # reserve the beams --beam-size asks for
             args = dataclasses.replace(args, max_beam_width=o["beam_size"])
     except ValueError as e:
@@ -252,6 +255,9 @@ def _llm_args(o: dict):
 def _run(o: dict) -> int:
     files, formats = _check_options(o)
     args = _llm_args(o)
+    if o["ray_address"] and args.data_parallel_size > 1:
+        raise _UsageError("--dp-size with --ray-address: Ray Data runs the engines there (--ray-actors); use one "
+                          "or the other")
     if o["ray_address"]:
         results, wall_s, load_s = _transcribe_on_ray(o, args, files, formats)
     else:
@@ -286,7 +292,7 @@ def _transcribe_here(o: dict, args, files: list[str], formats: list[str]):
                 t1 = time.perf_counter()
                 results = run_transcribe(llm, files, language=o["language"], task=o["task"],
                                          strategy=o["strategy"], timestamps=o["timestamps"] or timed,
-                                         batch_size=o["batch_size"], progress=progress,
+                                         batch_size=o["batch_size"] * args.data_parallel_size, progress=progress,
                                          beam_size=o["beam_size"], **o["decode"],
                                          word_timestamps=o["word_timestamps"] or o["subtitle_words"])
                 wall_s = time.perf_counter() - t1

@@ -277,6 +277,9 @@ class LlmArgs:
     enable_chunked_prefill: bool = False
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     tensor_parallel_size: int = 1
+    # Replicas of the whole engine (each on tensor_parallel_size GPUs of its own), each in its
+    # own process behind one front (``enc2dec.engine.data_parallel``).
+    data_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     context_parallel_size: int = 1
     enable_attention_dp: bool = False
@@ -311,8 +314,13 @@ class LlmArgs:
         object.__setattr__(self, "dtype", dtype)
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device={self.device!r} is not valid; valid: auto, cpu, cuda, cuda:N")
-        for name in ("max_batch_size", "max_num_tokens", "max_beam_width", "tensor_parallel_size"):
+        for name in ("max_batch_size", "max_num_tokens", "max_beam_width", "tensor_parallel_size",
+                     "data_parallel_size"):
             _check_positive_int("LLM", name, getattr(self, name))
+        if self.data_parallel_size > 1 and str(self.device).startswith("cuda:"):
+            raise ValueError(f"device={self.device!r} with data_parallel_size={self.data_parallel_size}: replica i "
+                             "runs on its own GPUs (i x tensor_parallel_size onwards); choose the GPUs with "
+                             "CUDA_VISIBLE_DEVICES and use device='cuda' or 'auto'")
         for name in ("max_input_len", "max_seq_len", "encoder_max_batch_size", "encoder_max_num_tokens"):
             _check_positive_int("LLM", name, getattr(self, name), allow_none=True)
         if self.load_format not in ("auto", "dummy"):

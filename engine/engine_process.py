@@ -62,6 +62,8 @@ class EngineSnapshot:
     tokenizer: Any
     model_info: dict
     stats: dict
+    device: Any = None         # torch.device as the engine process sees it (its GPU 0 is its first visible one)
+    dtype: Any = None
 
 
 def _snapshot(llm) -> EngineSnapshot:
@@ -74,7 +76,7 @@ def _snapshot(llm) -> EngineSnapshot:
     runner = SimpleNamespace(model=SimpleNamespace(
         max_encoder_positions=getattr(model, "max_encoder_positions", None)))
     return EngineSnapshot(core.hf_config, processor, core.limits, runner, core.is_whisper, llm.tokenizer,
-                          llm.model_info, _stats(llm))
+                          llm.model_info, _stats(llm), core.device, core.dtype)
 
 
 def _stats(llm) -> dict:
@@ -137,8 +139,17 @@ class _ChildSender:
         return out
 
 
-def _child_main(args: LlmArgs, conn) -> None:
+def _child_main(args: LlmArgs, conn, env: dict | None = None, num_threads: int | None = None) -> None:
     import signal
+
+    # Placement first, before anything initialises CUDA or sizes a thread pool: a data-parallel
+    # replica sees only its own GPUs (CUDA_VISIBLE_DEVICES, which its TP workers inherit) or
+    # its share of the cores.
+    os.environ.update(env or {})
+    if num_threads is not None:
+        import torch
+
+        torch.set_num_threads(num_threads)
 
     from enc2dec.engine.llm import LLM
 
@@ -300,11 +311,14 @@ class _Stream:
 class ProcessLLM:
     """``LLM`` with its engine in a child process (``LlmArgs.engine_process=True``)."""
 
-    # What the child runs: ``(args, conn)``. A lab script measuring the API side alone swaps in a
-    # child that speaks the same wire without a model (bench/scripts/serve_overhead.py).
+    # What the child runs: ``(args, conn, env, num_threads)``. A lab script measuring the API side
+    # alone swaps in a child that speaks the same wire without a model (bench/scripts/serve_overhead.py).
     child_main = staticmethod(_child_main)
 
-    def __init__(self, args: LlmArgs):
+    def __init__(self, args: LlmArgs, *, env: dict | None = None, num_threads: int | None = None,
+                 name: str = "engine process"):
+        """``env`` (environment variables) and ``num_threads`` (torch threads) apply in the child
+        before the engine is built; ``name`` is how errors call this process (a replica's)."""
         from enc2dec.engine.llm import RequestHandle
 
         self._handle_cls = RequestHandle
@@ -317,10 +331,11 @@ class ProcessLLM:
         self._rid_prefix = f"req-{os.getpid()}-{id(self):x}-"
         self._stop = False
         self._error: BaseException | None = None
+        self.name = name
         ctx = multiprocessing.get_context("spawn")
         self._conn, child_conn = ctx.Pipe(duplex=True)
-        self._proc = ctx.Process(target=self.child_main, args=(args, child_conn), name="enc2dec-engine-core",
-                                 daemon=True)
+        self._proc = ctx.Process(target=self.child_main, args=(args, child_conn, env, num_threads),
+                                 name="enc2dec-engine-core", daemon=True)
         self._proc.start()
         child_conn.close()                       # the child's death must end our reads with EOF
         self._snapshot = self._wait_ready()
@@ -367,6 +382,11 @@ class ProcessLLM:
     @property
     def model_info(self) -> dict:
         return dict(self._snapshot.model_info)
+
+    @property
+    def pid(self) -> int | None:
+        """The engine process's id."""
+        return self._proc.pid
 
     @property
     def is_healthy(self) -> bool:
@@ -440,7 +460,7 @@ class ProcessLLM:
         if self._stop:
             raise RuntimeError("the LLM has been shut down")
         if self._error is not None:
-            raise RuntimeError(f"the engine process died: {self._error!r}")
+            raise RuntimeError(f"the {self.name} died: {self._error!r}")
 
     def _send(self, msg) -> None:
         data = _dumps(msg)
@@ -467,7 +487,9 @@ class ProcessLLM:
             self._fail_replies()
         return future
 
-    def _add(self, batch, single: bool) -> list:
+    def _add(self, batch, single: bool, indices: list[int] | None = None) -> list:
+        """Handles for ``batch``, all admitted or none. A bad prompt's ValueError names its place
+        in the caller's list: ``indices[i]`` when given (a front that split its list), else ``i``."""
         self._check_open()
         handles, wire = [], []
         for inputs, params, streaming in batch:
@@ -500,7 +522,7 @@ class ProcessLLM:
             self._forget(handles)
             i, error = ok[0]
             if isinstance(error, ValueError) and not single:
-                raise ValueError(f"prompt {i}: {error}") from None
+                raise ValueError(f"prompt {i if indices is None else indices[i]}: {error}") from None
             raise error
         return handles
 
@@ -565,7 +587,7 @@ class ProcessLLM:
             self._error = EngineProcessError(f"bad message from the engine process: {e!r}")
         if not self._stop and self._error is None:
             self._proc.join(5)
-            self._error = EngineProcessError(f"the engine process died (exit code {self._proc.exitcode})")
+            self._error = EngineProcessError(f"the {self.name} died (exit code {self._proc.exitcode})")
         self._fail_all("engine shut down" if self._error is None else f"engine process died: {self._error}")
 
     def _deliver(self, deltas) -> None:

@@ -107,11 +107,16 @@ class RequestHandle:
 
 class LLM:
     """Encoder-decoder LLM. ``LLM(model, **options)``; options are ``LlmArgs`` fields.
-    ``engine_process=True`` gives a ``ProcessLLM`` (the same surface, the engine in a child process)."""
+    ``engine_process=True`` gives a ``ProcessLLM`` (the same surface, the engine in a child process);
+    ``data_parallel_size=N > 1`` a ``DataParallelLLM`` (N of those behind one front)."""
 
     def __new__(cls, model: str = "", tokenizer: Any = None, **kwargs):
         if cls is LLM:
             args = kwargs.get("_args") or LlmArgs.from_dict(kwargs, model=str(model), tokenizer=tokenizer)
+            if args.data_parallel_size > 1:
+                from enc2dec.engine.data_parallel import DataParallelLLM
+
+                return DataParallelLLM(args)
             if args.engine_process:
                 from enc2dec.engine.engine_process import ProcessLLM
 

@@ -2,7 +2,8 @@
 
 The server listens at once and loads the engine in the background: /health answers 503
 (``loading``) until the engine is up, then 200, and 503 again while draining or once the
-engine thread has died (``failed``).
+engine thread has died (``failed``). A data-parallel engine stays 200 while one replica
+serves; the body then lists every replica's status (``degraded`` once one has died).
 """
 from __future__ import annotations
 
@@ -81,11 +82,19 @@ def build_app(config: ServeConfig, make_llm: Callable[[], Any] | None = None, ll
 
     @app.get("/health")
     async def health():
+        # Data parallel: 200 while one replica serves ("degraded" once one has died), and the
+        # replicas listed with each one's status.
+        replicas = front.replica_health()
         if front.is_ready:
-            return {"status": "ok"}
+            if replicas is None:
+                return {"status": "ok"}
+            return {"status": "ok" if all(r["status"] == "ok" for r in replicas) else "degraded",
+                    "replicas": replicas}
         body = {"status": front.state}
         if front.error:
             body["error"] = front.error
+        if replicas is not None:
+            body["replicas"] = replicas
         headers = {"Retry-After": str(config.retry_after_s)} if front.state in ("loading", "draining") else None
         return JSONResponse(body, status_code=503, headers=headers)
 

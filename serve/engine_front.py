@@ -44,12 +44,22 @@ def model_info(llm) -> ModelInfo:
 
 
 def engine_stats(llm) -> dict[str, int]:
-    """Queue depth, running requests and KV blocks per pool, read without locks (plain lengths)."""
+    """Queue depth, running requests and KV blocks per pool, read without locks (plain lengths).
+    A data-parallel engine adds ``replicas``: the same counters per replica, with its index,
+    health and the requests routed to it."""
     snapshot = llm.stats()
     # An engine process reports its sequences in the snapshot; in-process they are read off the scheduler.
     running_seqs = snapshot.get("running_seqs")
     if running_seqs is None:
         running_seqs = getattr(getattr(llm.engine, "scheduler", None), "num_running_seqs", snapshot["running"])
+    stats = _flat_stats(snapshot, running_seqs)
+    if "replicas" in snapshot:
+        stats["replicas"] = [{**_flat_stats(r, r.get("running_seqs", r["running"])), "replica": r["replica"],
+                              "healthy": r["healthy"], "routed": r["routed"]} for r in snapshot["replicas"]]
+    return stats
+
+
+def _flat_stats(snapshot: dict, running_seqs: int) -> dict[str, int]:
     stats = {"waiting": snapshot["waiting"], "running": snapshot["running"], "running_seqs": running_seqs}
     for pool, usage in snapshot["kv"].items():
         stats[f"{pool}_used"], stats[f"{pool}_total"] = usage["used_blocks"], usage["total_blocks"]
@@ -115,6 +125,11 @@ class EngineFront:
 
     def stats(self) -> dict[str, int] | None:
         return engine_stats(self.llm) if self.llm is not None else None
+
+    def replica_health(self) -> list[dict] | None:
+        """Each replica's status of a data-parallel engine (None for one engine)."""
+        report = getattr(self.llm, "replica_health", None)
+        return report() if callable(report) else None
 
     # ---- admission ----------------------------------------------------------------------------
     def check_size(self, num_seqs: int) -> None:

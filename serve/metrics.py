@@ -84,6 +84,38 @@ class _EngineCollector:
             for pool in ("self", "cross"):
                 g.add_metric([pool], stats[f"{pool}_{kind}"])
             yield g
+        if "replicas" in stats:
+            yield from _replica_metrics(stats["replicas"])
+
+
+def _replica_metrics(replicas: list[dict]):
+    """A data-parallel engine's replicas, by a ``replica`` label (the unlabelled gauges above are
+    the live replicas' sums). A dead replica reports its health and routed count only: its last
+    counters describe work that was failed."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    healthy = GaugeMetricFamily("enc2dec_replica_healthy", "1 while the replica's engine process serves, 0 once "
+                                "it has died", labels=["replica"])
+    routed = CounterMetricFamily("enc2dec_replica_requests_routed", "Engine requests the front sent to the replica",
+                                 labels=["replica"])
+    waiting = GaugeMetricFamily("enc2dec_replica_num_requests_waiting", "Requests queued in the replica's engine",
+                                labels=["replica"])
+    running = GaugeMetricFamily("enc2dec_replica_num_requests_running", "Requests decoding in the replica's engine",
+                                labels=["replica"])
+    kv = {kind: GaugeMetricFamily(f"enc2dec_replica_kv_blocks_{kind}", f"The replica's KV cache blocks ({kind}), "
+                                  "per pool", labels=["replica", "pool"]) for kind in ("used", "free", "total")}
+    for r in replicas:
+        label = str(r["replica"])
+        healthy.add_metric([label], 1 if r["healthy"] else 0)
+        routed.add_metric([label], r["routed"])
+        if not r["healthy"]:
+            continue
+        waiting.add_metric([label], r["waiting"])
+        running.add_metric([label], r["running"])
+        for kind, g in kv.items():
+            for pool in ("self", "cross"):
+                g.add_metric([label, pool], r[f"{pool}_{kind}"])
+    yield from (healthy, routed, waiting, running, *kv.values())
 
 
 def _gauge(cls, name, doc, value):

@@ -100,7 +100,7 @@ def synthetic_child(args, conn, step_s: float) -> None:
             pass
 
 
-def _child_entry(args, conn, step_s=None):
+def _child_entry(args, conn, env=None, num_threads=None, step_s=None):
     synthetic_child(args, conn, float(os.environ["SYNTH_STEP_S"]) if step_s is None else step_s)
 
 
