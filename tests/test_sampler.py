@@ -145,3 +145,18 @@ def test_seeded_noise_is_exponential_and_distinct_per_token():
 def test_bad_sampling_options_name_the_option(bad, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**bad)
+
+
+def test_a_batch_where_every_row_draws_keeps_each_draw_on_its_row():
+    # Seeded rows are drawn first; with no greedy row the sampler skips the argmax, so the draws
+    # must be put back in the batch's order. top_k=1 rows draw their argmax, so they show where
+    # each landed.
+    me = state(seed=1234, temperature=0.9, top_p=0.95)
+    alone = _draws([me], 0)
+    batch = [state(temperature=0.7, top_k=1), me, state(temperature=1.3, top_k=1)]
+    gen = torch.Generator().manual_seed(5)
+    for pos in range(30):
+        logits = torch.randn(3, 40, generator=gen) * 2
+        ids = Sampler().sample(logits, batch, [pos] * 3).output().token_ids
+        assert ids[0] == int(logits[0].argmax()) and ids[2] == int(logits[2].argmax())
+    assert _draws(batch, 1) == alone

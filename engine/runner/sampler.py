@@ -304,11 +304,13 @@ class Sampler:
         if not beam_groups and all_plain_greedy(states):
             return DeviceSample(logits.argmax(dim=-1), [None] * len(states))
         if not beam_groups and all(map(_is_simple, states)):     # the common step: only the choice
-            chosen = logits.argmax(dim=-1)                                  # [S]
             sampled = [r for r, st in enumerate(states) if st.is_random]
-            if sampled:
-                chosen = self._sample(logits, chosen, states, num_output_tokens, sampled)
-            return DeviceSample(chosen, [None] * len(states))
+            if not sampled:
+                return DeviceSample(logits.argmax(dim=-1), [None] * len(states))
+            # A batch that only draws needs no argmax: every row is overwritten by its draw.
+            chosen = logits.argmax(dim=-1) if len(sampled) < len(states) else None     # [S]
+            return DeviceSample(self._sample(logits, chosen, states, num_output_tokens, sampled),
+                                [None] * len(states))
         histories = histories if histories is not None else [None] * len(states)
         beams = None
         if beam_groups:
@@ -372,9 +374,10 @@ class Sampler:
         return DeviceSample(chosen, want, chosen_lp, ids, vals)
 
     @staticmethod
-    def _sample(logits: torch.Tensor, chosen: torch.Tensor, states: list[SeqSamplingState],
+    def _sample(logits: torch.Tensor, chosen: torch.Tensor | None, states: list[SeqSamplingState],
                 num_output_tokens: list[int], rows: list[int]) -> torch.Tensor:
-        """``chosen`` with ``rows`` (those that sample) replaced by random draws."""
+        """``chosen`` with ``rows`` (those that sample) replaced by random draws; ``chosen`` may
+        be None when ``rows`` are all the rows."""
         # logits: [S, V]; chosen: [S] int64
         dev = logits.device
         seeded = [r for r in rows if states[r].stream is not None]
@@ -393,4 +396,8 @@ class Sampler:
         if any(st.has_filters for st in rows):                                 # decided on the host
             filters = (ints[:, 0], floats[:, 1], floats[:, 2], max(st.params.top_k or 0 for st in rows))
         drawn = race(sub, ints[:len(seeded), 1:], len(seeded), filters)       # [R]
-        return drawn if whole else chosen.index_copy(0, idx, drawn)
+        if whole:
+            return drawn
+        if chosen is None:                 # every row draws, seeded ones first: put them back in place
+            return torch.empty_like(drawn).index_copy_(0, idx, drawn)
+        return chosen.index_copy(0, idx, drawn)
