@@ -5,6 +5,7 @@
 #   bash bench/scripts/gpu_session.sh stage 2          # carry .m2 (the next call, straight after)
 #   bash bench/scripts/gpu_session.sh stage 3 fp8acc   # carry .m3 .speech .whl: assemble, FP8-KV accuracy
 #   bash bench/scripts/gpu_session.sh tests            # pytest -m gpu
+#   bash bench/scripts/gpu_session.sh profile          # greedy vs sampled step, flan-t5-large C=64
 #   bash bench/scripts/gpu_session.sh apiside          # serve_overhead.py (CPU side of serve, idle cores)
 #
 # Why the parts: a call carries at most 64 MiB and whisper-base in bf16 is 147 MB, so it is
@@ -52,6 +53,17 @@ while [ $# -gt 0 ]; do
     echo "python -m pytest -m gpu -q tests/" >>"$OUT/commands.txt"
     timeout 540 python -m pytest -m gpu -q -p no:cacheprovider tests/ >"$OUT/pytest_gpu.txt" 2>&1
     echo "pytest -m gpu: exit $?"; tail -15 "$OUT/pytest_gpu.txt" ;;
+  profile)     # flan-t5-large C=64: the greedy and the sampled step, GPU busy vs wall, then the host side
+    setup
+    for mode in "" "--temperature 0.8 --top-p 0.95"; do
+      for what in "" "--cpu-profile"; do
+        echo "python bench/scripts/profile_step.py --concurrency 64 --output-len 128 $mode $what" >>"$OUT/commands.txt"
+        echo "== profile_step $mode $what" | tee -a "$OUT/profile.txt"
+        timeout 120 python bench/scripts/profile_step.py --concurrency 64 --output-len 128 $mode $what 2>&1 \
+            | grep -v Warning | head -45 >>"$OUT/profile.txt"
+      done
+    done
+    grep -E "^==|per step|wall|busy" "$OUT/profile.txt" | head -30 ;;
   apiside)
     setup
     for L in 32 128 512; do
