@@ -160,3 +160,14 @@ def test_a_batch_where_every_row_draws_keeps_each_draw_on_its_row():
         ids = Sampler().sample(logits, batch, [pos] * 3).output().token_ids
         assert ids[0] == int(logits[0].argmax()) and ids[2] == int(logits[2].argmax())
     assert _draws(batch, 1) == alone
+
+
+def test_one_sampler_over_steps_uses_each_steps_own_requests():
+    # The sampler keeps the drawing rows' parameters while the batch holds the same requests; a
+    # batch of the same size with other requests must be drawn with theirs.
+    sampler, logits = Sampler(), LOGITS.expand(2000, -1).contiguous()
+    greedy_like = [state(temperature=1.0, top_k=1) for _ in range(2000)]
+    assert set(sampler.sample(logits, greedy_like, [0] * 2000).output().token_ids) == {0}
+    assert set(sampler.sample(logits, greedy_like, [1] * 2000).output().token_ids) == {0}     # kept: same rows
+    free = [state(temperature=1.0) for _ in range(2000)]
+    assert len(set(sampler.sample(logits, free, [2] * 2000).output().token_ids)) > 5

@@ -287,6 +287,7 @@ def _beam_candidates(logits: torch.Tensor, states: list[SeqSamplingState], num_o
 class Sampler:
     def __init__(self):
         self.history: TokenHistory | None = None      # made when a rule that reads it first appears
+        self._plan: _DrawPlan | None = None
 
     def release(self, seq_ids) -> None:
         """Forget finished sequences' device-side histories."""
@@ -373,31 +374,46 @@ class Sampler:
         vals, ids = logp.topk(top, dim=-1)                                  # [S, top]
         return DeviceSample(chosen, want, chosen_lp, ids, vals)
 
-    @staticmethod
-    def _sample(logits: torch.Tensor, chosen: torch.Tensor | None, states: list[SeqSamplingState],
+    def _sample(self, logits: torch.Tensor, chosen: torch.Tensor | None, states: list[SeqSamplingState],
                 num_output_tokens: list[int], rows: list[int]) -> torch.Tensor:
         """``chosen`` with ``rows`` (those that sample) replaced by random draws; ``chosen`` may
         be None when ``rows`` are all the rows."""
         # logits: [S, V]; chosen: [S] int64
         dev = logits.device
-        seeded = [r for r in rows if states[r].stream is not None]
-        order = seeded + [r for r in rows if states[r].stream is None]     # seeded rows first
-        whole = order == list(range(logits.shape[0]))
-        idx = None if whole else to_device(order, torch.long, dev)
-        sub = logits if whole else logits.index_select(0, idx)                 # [R, V]
-        # Every row's parameters in two staged copies per step (the per-row values were worked
-        # out when the request joined).
-        rows = [states[r] for r in order]
-        floats = to_device([st.float_params for st in rows], torch.float32, dev)      # [R, 3]
-        ints = to_device([(st.params.top_k or 0, *(st.stream or (0, 0)), num_output_tokens[r])
-                          for st, r in zip(rows, order)], torch.long, dev)           # [R, 4]
-        sub = sub.float() / floats[:, :1]
-        filters = None
-        if any(st.has_filters for st in rows):                                 # decided on the host
-            filters = (ints[:, 0], floats[:, 1], floats[:, 2], max(st.params.top_k or 0 for st in rows))
-        drawn = race(sub, ints[:len(seeded), 1:], len(seeded), filters)       # [R]
+        plan = self._plan
+        if plan is None or plan.dev != dev or len(plan.states) != len(states) or plan.rows != rows \
+                or any(a is not b for a, b in zip(plan.states, states)):
+            plan = self._plan = _DrawPlan(states, rows, dev)
+        whole = plan.idx is None
+        sub = logits if whole else logits.index_select(0, plan.idx)             # [R, V]
+        keys = plan.no_keys
+        if plan.seeded:
+            keys = to_device([(*states[r].stream, num_output_tokens[r]) for r in plan.seeded], torch.long, dev)
+        sub = sub.float() / plan.temperature[:, None]
+        drawn = race(sub, keys, len(plan.seeded), plan.filters)                # [R]
         if whole:
             return drawn
         if chosen is None:                 # every row draws, seeded ones first: put them back in place
-            return torch.empty_like(drawn).index_copy_(0, idx, drawn)
-        return chosen.index_copy(0, idx, drawn)
+            return torch.empty_like(drawn).index_copy_(0, plan.idx, drawn)
+        return chosen.index_copy(0, plan.idx, drawn)
+
+
+class _DrawPlan:
+    """The drawing rows' parameters on the device, staged once and kept while the batch holds
+    the same requests in the same rows (most steps of a steady batch): a step then stages only
+    its seeded rows' positions. Holds the states, so no row's id can be reused while cached."""
+
+    def __init__(self, states: list[SeqSamplingState], rows: list[int], dev: torch.device):
+        self.states, self.rows, self.dev = list(states), list(rows), dev
+        self.seeded = [r for r in rows if states[r].stream is not None]
+        order = self.seeded + [r for r in rows if states[r].stream is None]     # seeded rows first
+        self.idx = None if order == list(range(len(states))) else to_device(order, torch.long, dev)
+        picked = [states[r] for r in order]
+        # One staged copy, then contiguous per-parameter views for the kernels.
+        floats = to_device([st.float_params for st in picked], torch.float32, dev).t().contiguous()   # [3, R]
+        self.temperature = floats[0]
+        self.filters = None
+        if any(st.has_filters for st in picked):                           # decided on the host
+            top_k = to_device([st.params.top_k or 0 for st in picked], torch.long, dev)
+            self.filters = (top_k, floats[1], floats[2], max(st.params.top_k or 0 for st in picked))
+        self.no_keys = torch.empty(0, 3, dtype=torch.long, device=dev)

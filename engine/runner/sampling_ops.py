@@ -11,6 +11,8 @@ after preemption. An unseeded row's key is drawn on the device each step.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from enc2dec.kernels.reference import (filtered_race_ref, gumbel_race_ref, race_uniform_ref,
@@ -41,6 +43,11 @@ def seeded_exponential(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     return -race_uniform_ref(keys, vocab).log()
 
 
+@functools.lru_cache(maxsize=16)
+def _no_floor(rows: int, device: torch.device) -> torch.Tensor:
+    return torch.full((rows,), float("-inf"), device=device)     # read only, by every step of this size
+
+
 def race(scores: torch.Tensor, seeded_keys: torch.Tensor, num_seeded: int,
          filters: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
     """One token per row drawn from softmax(``scores``) by a Gumbel-max race, over the tokens
@@ -66,5 +73,8 @@ def race(scores: torch.Tensor, seeded_keys: torch.Tensor, num_seeded: int,
     if filters is None:
         return (gumbel_race if scores.is_cuda else gumbel_race_ref)(scores, seeded, fresh)
     top_k, top_p, min_p, max_k = filters
-    floor = top_k_floor_ref(scores, top_k, min(max_k, scores.shape[-1]))          # [R]; -inf = off
+    if max_k <= 0:                    # no row cuts by top-k: a constant floor, made once per size
+        floor = _no_floor(scores.shape[0], scores.device)
+    else:
+        floor = top_k_floor_ref(scores, top_k, min(max_k, scores.shape[-1]))      # [R]; -inf = off
     return (filtered_race if scores.is_cuda else filtered_race_ref)(scores, floor, top_p, min_p, seeded, fresh)
