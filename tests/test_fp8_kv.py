@@ -82,3 +82,39 @@ def test_paged_attention_reads_fp8_pools_as_the_reference(causal, splits):
     # and the FP8 result is close to attention over the unquantised cache
     exact = ref.paged_attention_ref(case["q"], *exact_caches, *args[3:], 0.125, causal=causal, bias_table=bias)
     assert float((got - exact).abs().max()) < 0.1 * float(exact.abs().max())
+
+
+def _dequant(x):
+    q, scale = ref.quantize_fp8_ref(x)
+    return q.float() * scale.float()[..., None]
+
+
+def test_centred_cross_keys_keep_attention_and_quantise_closer():
+    # Two encoder sequences in the padded layout (8 positions each, the last 3 and 1 padding),
+    # keys with a channel that is large at every position, as real encoders' keys have.
+    from types import SimpleNamespace
+
+    from enc2dec.engine.models.layers import EncoderSegments
+
+    g = torch.Generator().manual_seed(0)
+    heads, dim, lens = 2, 32, (5, 7)
+    slots = torch.tensor([0, 1, 2, 3, 4, -1, -1, -1, 5, 6, 7, 8, 9, 10, 11, -1])
+    meta = SimpleNamespace(cu_seqlens=torch.tensor([0, 8, 16], dtype=torch.int32), cross_slot_mapping=slots)
+    k = torch.randn(16, heads, dim, generator=g)
+    k[:, :, 3] += 40.0
+    k[:, 1, 7] -= 25.0
+    k[slots < 0] = 1e4                            # padding is garbage: it must not move any mean
+    centred = EncoderSegments(meta).center(k)
+    q = torch.randn(heads, dim, generator=g)
+    for s, (start, n) in enumerate(zip((0, 8), lens)):
+        real, cent = k[start:start + n], centred[start:start + n]
+        assert float(cent.mean(dim=0).abs().max()) < 1e-4
+        for keys in (real, cent):
+            assert torch.isfinite(keys).all()
+        exact = torch.softmax(torch.einsum("hd,thd->ht", q, real) * 0.2, dim=-1)
+        torch.testing.assert_close(torch.softmax(torch.einsum("hd,thd->ht", q, cent) * 0.2, dim=-1), exact,
+                                   atol=1e-5, rtol=1e-4)
+        # the same scores from FP8 keys: centred ones come out closer to the exact attention
+        err = [float((torch.softmax(torch.einsum("hd,thd->ht", q, _dequant(x)) * 0.2, dim=-1) - exact).abs().max())
+               for x in (real, cent)]
+        assert err[1] < err[0] / 2, err

@@ -21,7 +21,7 @@ from torch import nn
 
 from enc2dec.engine.models.attention import EncoderMetadata, KVCache
 from enc2dec.engine.parallel.distributed import SINGLE
-from enc2dec.engine.models.layers import MergedLinear
+from enc2dec.engine.models.layers import EncoderSegments, MergedLinear
 
 logger = logging.getLogger("enc2dec")
 
@@ -72,8 +72,11 @@ class EncoderDecoderLM(nn.Module):
 
     def write_cross_kv(self, enc_hidden: torch.Tensor, meta: EncoderMetadata, kv: KVCache) -> None:
         # enc_hidden: [num_enc_tokens, d_model]; each decoder layer projects its own K/V.
+        # FP8 pools store keys centred per sequence (their mean over its positions taken out),
+        # which leaves every softmax as it was and spends e4m3's few bits on what differs.
+        segments = EncoderSegments(meta) if kv.cross_kv and kv.cross_kv[0].scales is not None else None
         for layer, layer_kv in zip(self.decoder.layers, kv.cross_kv):
-            layer.encoder_attn.write_kv(enc_hidden, meta.cross_slot_mapping, layer_kv)
+            layer.encoder_attn.write_kv(enc_hidden, meta.cross_slot_mapping, layer_kv, segments)
 
     # ---- checkpoint loading -------------------------------------------------------------
 

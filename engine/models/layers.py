@@ -186,6 +186,32 @@ class SelfAttention(nn.Module):
         return self.out_proj(o.reshape(x.shape[0], -1))
 
 
+class EncoderSegments:
+    """Which sequence each packed encoder position belongs to, worked out on the device (so it
+    holds inside an encoder CUDA graph), for centring cross-attention keys per sequence.
+
+    A query's scores against keys ``k_j - m`` differ from those against ``k_j`` by ``q . m``, the
+    same for every position j of the sequence, so the softmax over them is unchanged: a
+    quantised pool can store the centred keys, whose range is no longer set by the channels
+    that are large at every position (the outliers that cost an FP8 key its precision).
+    Padding positions (cross slot -1) count for no sequence."""
+
+    def __init__(self, meta):
+        t = meta.cross_slot_mapping.shape[0]
+        ends = meta.cu_seqlens[1:].to(torch.int64)
+        self.num = ends.shape[0]
+        self.seg = torch.searchsorted(ends, torch.arange(t, device=ends.device), right=True).clamp(max=self.num - 1)
+        self.valid = (meta.cross_slot_mapping >= 0).float()                                   # [T]
+        count = torch.zeros(self.num, device=ends.device).index_add_(0, self.seg, self.valid)
+        self.inv_count = 1.0 / count.clamp(min=1.0)                                           # [B]
+
+    def center(self, k: torch.Tensor) -> torch.Tensor:
+        # k: [T, H, D] -> the same with each sequence's mean key (over its real positions) taken out
+        sums = torch.zeros(self.num, *k.shape[1:], device=k.device).index_add_(
+            0, self.seg, k.float() * self.valid[:, None, None])
+        return (k.float() - (sums * self.inv_count[:, None, None])[self.seg]).to(k.dtype)
+
+
 class CrossAttention(nn.Module):
     """Decoder attention over the request's encoder K/V, which ``write_kv`` projects once
     (fused k|v) into the cross pool at admission."""
@@ -201,8 +227,11 @@ class CrossAttention(nn.Module):
         self.kv = MergedLinear(d_model, inner, 2, bias, zero_bias_shards=() if k_bias else (0,), tp=tp)
         self.out_proj = RowParallelLinear(inner, d_model, bias, tp)
 
-    def write_kv(self, enc_hidden: torch.Tensor, slot_mapping: torch.Tensor, kv: LayerKV) -> None:
+    def write_kv(self, enc_hidden: torch.Tensor, slot_mapping: torch.Tensor, kv: LayerKV,
+                 segments: "EncoderSegments | None" = None) -> None:
         k, v = self.kv(enc_hidden).view(enc_hidden.shape[0], 2, self.num_heads, self.head_dim).unbind(1)
+        if segments is not None:
+            k = segments.center(k)
         self.backend.store_kv(k, v, kv.k, kv.v, slot_mapping, kv.scales)         # k, v: [T_enc, H, D]
 
     def forward(self, x: torch.Tensor, meta: DecoderMetadata, kv: LayerKV) -> torch.Tensor:
