@@ -29,3 +29,26 @@ def test_packs_at_most_max_packs_row_counts():
             x = torch.randn(rows, 8)
             torch.testing.assert_close(packed_linear(packs, x, weight, None), F.linear(x, weight))
     assert len([k for k in packs if k != "seen"]) == cpu_linear.MAX_PACKS
+
+
+@pytest.mark.skipif(not cpu_linear.onednn_linear_available(), reason="this torch has no oneDNN linear")
+@pytest.mark.parametrize("act,bias", [("gelu", True), ("relu", False), ("gelu_new", True)])
+@pytest.mark.parametrize("rows", [1, 5, cpu_linear.FUSED_ACT_MIN_ROWS, 301])
+def test_dense_mlp_with_fused_activation_matches_the_plain_one(act, bias, rows):
+    from enc2dec.engine.models.layers import DenseMLP
+
+    torch.manual_seed(rows)
+    mlp = DenseMLP(48, 200, act, bias=bias).requires_grad_(False)     # as the loader leaves it
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.normal_(0, 0.2)
+    x = torch.randn(rows, 48)
+    with torch.no_grad():
+        expected = mlp(x)
+        assert cpu_linear.use_packed_cpu_linear(mlp) == 2
+        assert isinstance(mlp, cpu_linear.FusedActCpuDenseMLP)
+        got = mlp(x)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    # a module that trains keeps the plain path (the fused op has no autograd)
+    mlp.requires_grad_(True)
+    torch.testing.assert_close(mlp(x), expected, rtol=1e-5, atol=1e-5)

@@ -228,7 +228,7 @@ class Scheduler(BeamScheduling):
 
     def _admit(self, req: Request, out: SchedulerOutput, budget: _StepBudget) -> None:
         tpb = self.limits.tokens_per_block
-        req.cross_block_ids = self.cross_pool.allocate(blocks_needed(req.encoder_len, tpb))
+        req.cross_block_ids = self.cross_pool.allocate(blocks_needed(req.encoder_len, tpb), prefer_run=True)
         seqs = req.live_seqs
         for seq in seqs:
             seq.block_ids = self.self_pool.allocate(blocks_needed(seq.num_tokens, tpb))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
 from dataclasses import dataclass
 
@@ -48,11 +49,13 @@ class PendingStep:
         beams = {rid: [BeamCandidate(seq_ids[parent], token, score, logprob)
                        for parent, token, score, logprob in cands]
                  for (rid, seq_ids), cands in zip(self.beam_groups, out.beams or [])}
-        return ModelRunnerOutput({
-            seq_id: SampledToken(out.token_ids[i], out.logprobs[i] if out.logprobs is not None else 0.0,
-                                 out.top_logprobs[i] if out.top_logprobs is not None else None)
-            for i, seq_id in enumerate(self.seq_ids)}, beams,
-            {self.seq_ids[row]: lps for row, lps in (out.prefix_logprobs or {}).items()})
+        # One object per row every step (256 rows: the largest item of the host path), so the
+        # columns a step has are zipped once rather than tested per row.
+        logprobs = out.logprobs if out.logprobs is not None else itertools.repeat(0.0)
+        tops = out.top_logprobs if out.top_logprobs is not None else itertools.repeat(None)
+        sampled = dict(zip(self.seq_ids, map(SampledToken, out.token_ids, logprobs, tops)))
+        return ModelRunnerOutput(sampled, beams,
+                                 {self.seq_ids[row]: lps for row, lps in (out.prefix_logprobs or {}).items()})
 
 
 def _prefix_logprobs(model, seqs: list[ScheduledSeq], states: list[SeqSamplingState], logits: torch.Tensor,
@@ -330,11 +333,12 @@ class ModelRunner:
 
     def _placeholder_sources(self, seqs: list[ScheduledSeq]):
         """(flat token index, row of the previous step's samples) for every placeholder input."""
-        fill, offset = [], 0
+        fill, offset, prev_rows = [], 0, self._prev_rows
         for s in seqs:
-            if s.input_token_ids[-1] == PLACEHOLDER_TOKEN_ID:
-                fill.append((offset + s.num_new_tokens - 1, self._prev_rows[s.seq_id]))
-            offset += s.num_new_tokens
+            ids = s.input_token_ids
+            offset += len(ids)
+            if ids[-1] == PLACEHOLDER_TOKEN_ID:
+                fill.append((offset - 1, prev_rows[s.seq_id]))
         return fill
 
     def _register(self, encodes: list[ScheduledEncode]) -> None:
