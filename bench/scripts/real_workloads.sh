@@ -173,11 +173,11 @@ def level(name, backend=None, conc=None):
 def num(v, fmt="{:,.0f}"):
     return "-" if v is None else fmt.format(v)
 
-print(f"\n{'run':<15}{'backend':<12}{'C':>4}{'out tok/s':>11}{'TPOT ms':>9}{'TTFT ms':>9}{'ITL p50/p99':>14}{'fail':>5}")
+print(f"\n{'run':<17}{'backend':<12}{'C':>4}{'out tok/s':>11}{'TPOT ms':>9}{'TTFT ms':>9}{'ITL p50/p99':>14}{'fail':>5}")
 for p in sorted(work.glob("*.json")):
     for lv in json.loads(p.read_text())["levels"]:
         itl = f"{num(lv.get('p50_itl_ms'), '{:.1f}')}/{num(lv.get('p99_itl_ms'), '{:.1f}')}"
-        print(f"{p.stem:<15}{lv['backend']:<12}{lv['concurrency']:>4}{num(lv['out_tok_per_s']):>11}"
+        print(f"{p.stem:<17}{lv['backend']:<12}{lv['concurrency']:>4}{num(lv['out_tok_per_s']):>11}"
               f"{num(lv['mean_tpot_ms'], '{:.2f}'):>9}{num(lv['mean_ttft_ms'], '{:.0f}'):>9}{itl:>14}{lv['failed']:>5}")
 for name in sorted(skipped):
     print(f"{name:<14}skipped: the call's time budget was spent")
