@@ -127,13 +127,15 @@ def _normaliser(model_dir: Path):
     return EnglishTextNormalizer(json.load(open(spelling)) if spelling.exists() else {})
 
 
-def run_enc2dec(model_dir: Path, strategy: str, audio: Path, beam: int = 1) -> tuple[str, float]:
+def run_enc2dec(model_dir: Path, strategy: str, audio: Path, beam: int = 1,
+                pythonpath: str | None = None) -> tuple[str, float]:
     """The text (plain txt on stdout, as a user runs it) and the wall seconds the summary reports
     (transcription only, without the model load)."""
     cli = Path(sys.executable).with_name("enc2dec")
     cmd = [str(cli), "transcribe", str(audio), "--model", str(model_dir), "--strategy", strategy,
            "--dtype", "float32", "--device", "cpu", "--quiet", "--beam-size", str(beam)]
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    env = dict(os.environ, PYTHONPATH=pythonpath) if pythonpath else None
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
     wall = re.search(r"of audio in ([\d.]+) s", r.stderr)
@@ -193,8 +195,13 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=1,
                    help="run every engine this many times per file, interleaved (A B A B ...), for wall times "
                         "on a shared machine; the table then gives the median wall and the range")
+    p.add_argument("--baseline-src", default=None,
+                   help="a folder holding another enc2dec tree as enc2dec/ (e.g. from git archive --prefix=enc2dec/): "
+                        "each enc2dec strategy also runs from it (PYTHONPATH), right after this tree's run")
     a = p.parse_args()
     engines = [e for e in a.engines.split(",") if e]
+    if a.baseline_src:
+        engines = [x for e in engines for x in ([e, f"{e}@baseline"] if e in STRATEGIES else [e])]
     comps = compose(a.folder, a.real / "speech", _normaliser(a.real / "whisper-base"))
     if a.files:
         comps = [c for c in comps if c.name in a.files.split(",")]
@@ -206,9 +213,11 @@ def main() -> None:
             walls: dict[str, list[float]] = {}
             for r in range(a.rounds):
                 for engine in engines:
-                    if engine in STRATEGIES:
-                        text, wall_s = run_enc2dec(hf_dir, engine, comp.path, a.beam)
-                        label = f"enc2dec {engine}"
+                    strategy = engine.removesuffix("@baseline")
+                    if strategy in STRATEGIES:
+                        src = a.baseline_src if engine.endswith("@baseline") else None
+                        text, wall_s = run_enc2dec(hf_dir, strategy, comp.path, a.beam, src)
+                        label = f"enc2dec {strategy}" + (f" ({src})" if src else "")
                     else:
                         text, wall_s, fw_versions = run_fw(a.fw_python, ct2_dir, engine, comp.path, a.threads, a.beam)
                         label = engine
