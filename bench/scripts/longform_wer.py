@@ -3,6 +3,7 @@ on files composed of the LibriVox clips of shared/tools/real_models.py. A lab sc
 (bench/scripts is not installed); CPU, float32, greedy (``--beam 5``: beam search on both sides).
 
     python bench/scripts/longform_wer.py /tmp/longform --models tiny.en,base
+    python bench/scripts/longform_wer.py /tmp/longform --models base --files shuffle_300s --rounds 3  # speed
 
 Builds the compositions into the folder (deterministic: same files every run), runs
 ``enc2dec transcribe --strategy S`` once per file and strategy, and faster-whisper from its own
@@ -126,13 +127,15 @@ def _normaliser(model_dir: Path):
     return EnglishTextNormalizer(json.load(open(spelling)) if spelling.exists() else {})
 
 
-def run_enc2dec(model_dir: Path, strategy: str, audio: Path, beam: int = 1) -> tuple[str, float]:
+def run_enc2dec(model_dir: Path, strategy: str, audio: Path, beam: int = 1,
+                pythonpath: str | None = None) -> tuple[str, float]:
     """The text (plain txt on stdout, as a user runs it) and the wall seconds the summary reports
     (transcription only, without the model load)."""
     cli = Path(sys.executable).with_name("enc2dec")
     cmd = [str(cli), "transcribe", str(audio), "--model", str(model_dir), "--strategy", strategy,
            "--dtype", "float32", "--device", "cpu", "--quiet", "--beam-size", str(beam)]
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    env = dict(os.environ, PYTHONPATH=pythonpath) if pythonpath else None
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
     wall = re.search(r"of audio in ([\d.]+) s", r.stderr)
@@ -189,8 +192,16 @@ def main() -> None:
     p.add_argument("--fw-python", default="/work/fw-venv/bin/python")
     p.add_argument("--threads", type=int, default=2, help="faster-whisper cpu_threads")
     p.add_argument("--beam", type=int, default=1, help="beam width for every engine (1: greedy)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every engine this many times per file, interleaved (A B A B ...), for wall times "
+                        "on a shared machine; the table then gives the median wall and the range")
+    p.add_argument("--baseline-src", default=None,
+                   help="a folder holding another enc2dec tree as enc2dec/ (e.g. from git archive --prefix=enc2dec/): "
+                        "each enc2dec strategy also runs from it (PYTHONPATH), right after this tree's run")
     a = p.parse_args()
     engines = [e for e in a.engines.split(",") if e]
+    if a.baseline_src:
+        engines = [x for e in engines for x in ([e, f"{e}@baseline"] if e in STRATEGIES else [e])]
     comps = compose(a.folder, a.real / "speech", _normaliser(a.real / "whisper-base"))
     if a.files:
         comps = [c for c in comps if c.name in a.files.split(",")]
@@ -199,24 +210,32 @@ def main() -> None:
         hf_dir, ct2_dir = a.real / f"whisper-{model}", a.real / f"ct2-whisper-{model}"
         norm = _normaliser(hf_dir)
         for comp in comps:
-            for engine in engines:
-                if engine in STRATEGIES:
-                    text, wall_s = run_enc2dec(hf_dir, engine, comp.path, a.beam)
-                    label = f"enc2dec {engine}"
-                else:
-                    text, wall_s, fw_versions = run_fw(a.fw_python, ct2_dir, engine, comp.path, a.threads, a.beam)
-                    label = engine
-                if a.beam > 1:
-                    label += f" beam {a.beam}"
-                wer, longest, where = score(comp, norm(text).split())
-                rows.append((model, comp.name, label, wer, wall_s, longest, where))
-                print(f"{model:8} {comp.name:13} {label:20} WER {wer:6.2%}  wall {wall_s:6.1f} s  "
-                      f"longest deletion {longest:3} at {where}", file=sys.stderr, flush=True)
+            walls: dict[str, list[float]] = {}
+            for r in range(a.rounds):
+                for engine in engines:
+                    strategy = engine.removesuffix("@baseline")
+                    if strategy in STRATEGIES:
+                        src = a.baseline_src if engine.endswith("@baseline") else None
+                        text, wall_s = run_enc2dec(hf_dir, strategy, comp.path, a.beam, src)
+                        label = f"enc2dec {strategy}" + (f" ({src})" if src else "")
+                    else:
+                        text, wall_s, fw_versions = run_fw(a.fw_python, ct2_dir, engine, comp.path, a.threads, a.beam)
+                        label = engine
+                    if a.beam > 1:
+                        label += f" beam {a.beam}"
+                    walls.setdefault(label, []).append(wall_s)
+                    wer, longest, where = score(comp, norm(text).split())
+                    if r == 0:
+                        rows.append([model, comp.name, label, wer, walls[label], longest, where])
+                    print(f"{model:8} {comp.name:13} {label:20} WER {wer:6.2%}  wall {wall_s:6.1f} s  "
+                          f"longest deletion {longest:3} at {where}", file=sys.stderr, flush=True)
     print(f"# {_versions()}; {fw_versions or 'faster-whisper not run'}; {os.cpu_count()} CPUs")
-    print("| model | file | engine | WER | wall (s) | longest deleted run (words) | at |")
+    print(f"| model | file | engine | WER | wall (s){' median (range)' if a.rounds > 1 else ''} | longest deleted run "
+          "(words) | at |")
     print("| --- | --- | --- | ---: | ---: | ---: | --- |")
-    for model, name, label, wer, wall_s, longest, where in rows:
-        print(f"| {model} | {name} | {label} | {wer:.2%} | {wall_s:.1f} | {longest} | {where} |")
+    for model, name, label, wer, walls, longest, where in rows:
+        wall = f"{np.median(walls):.1f}" + (f" ({min(walls):.1f}-{max(walls):.1f})" if len(walls) > 1 else "")
+        print(f"| {model} | {name} | {label} | {wer:.2%} | {wall} | {longest} | {where} |")
 
 
 if __name__ == "__main__":

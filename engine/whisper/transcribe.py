@@ -20,7 +20,9 @@ Long-form rules: ``longform.py``.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 
@@ -103,7 +105,10 @@ async def transcribe_async(llm, sources: Sequence, *, language: str | None = Non
     if strategy == "vad" and any(isinstance(d, float) and d > WINDOW_S for d in durations):
         check_available()           # before any window decodes: a missing extra loses no work
     run.progress.start(sum(d for d in durations if isinstance(d, float)))
-    return list(await asyncio.gather(*(run.file(name, src, d) for (name, src), d in zip(named, durations))))
+    try:
+        return list(await asyncio.gather(*(run.file(name, src, d) for (name, src), d in zip(named, durations))))
+    finally:
+        run.submitter.shutdown(wait=False, cancel_futures=True)
 
 
 def _name(source, index: int) -> str:
@@ -159,6 +164,10 @@ class _Run:
         self.task, self.strategy, self.timestamps = task, strategy, timestamps
         self.progress = progress
         self.request_slots = asyncio.Semaphore(batch_size)
+        # Requests are made (the log-mel features computed, with torch) on one thread of their own:
+        # every thread that runs torch's CPU ops keeps an OpenMP pool, and more pools than cores
+        # make the engine thread's workers sleep between parallel regions (cpu_threads.py).
+        self.submitter = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="enc2dec-submit")
         self.file_slots = asyncio.Semaphore(batch_size)
         self._advanced: dict[int, float] = {}      # id(Transcript) -> audio seconds reported so far
         self._rules: dict[tuple, tuple[list, int]] = {}
@@ -264,18 +273,25 @@ class _Run:
         # them Whisper often ends a full 30 s window early and drops whole sentences.
         use_ts = self.timestamps or len(windows) > 1
         new_audio_s = [(ends[i] - (ends[i - 1] if i else 0)) / sr for i in range(len(ends))]
-        # A chunk after the first starts mid-speech: its first words may come late.
-        outputs = await self._decode_windows(windows, t, use_ts, new_audio_s, [i == 0 for i in range(len(windows))])
-        parsed = [parse_window(ids, self.tokens.eot, self.tokens.timestamp_begin, starts[i] / sr, len(windows[i]) / sr,
-                               use_ts, ids.stats).pieces for i, ids in enumerate(outputs)]
         # Only window i hears the audio up to where window i + 1 starts; a retry runs into the next
         # window by the usual overlap, so the two stitch like neighbours.
         only_mine = starts[1:] + [len(wave)]
-        retry_from = [unheard_from(p, only_mine[i] / sr) if use_ts else None for i, p in enumerate(parsed)]
-        retry_end = [min(int(r * sr) + self.window_samples, only_mine[i] + self.overlap_samples, len(wave))
-                     if r is not None else 0 for i, r in enumerate(retry_from)]
-        retried = await self._retry([None if r is None else (wave[int(r * sr):retry_end[i]], r)
-                                     for i, r in enumerate(retry_from)], t)
+        retry_from: list[float | None] = [None] * len(windows)
+        retry_end = [0] * len(windows)
+
+        async def parse_and_retry(i: int, ids) -> tuple[list[Piece], list[Piece] | None]:
+            pieces = parse_window(ids, self.tokens.eot, self.tokens.timestamp_begin, starts[i] / sr,
+                                  len(windows[i]) / sr, use_ts, ids.stats).pieces
+            r = retry_from[i] = unheard_from(pieces, only_mine[i] / sr) if use_ts else None
+            if r is None:
+                return pieces, None
+            retry_end[i] = min(int(r * sr) + self.window_samples, only_mine[i] + self.overlap_samples, len(wave))
+            return pieces, await self._retry_one(wave[int(r * sr):retry_end[i]], r, t)
+
+        # A chunk after the first starts mid-speech: its first words may come late.
+        results = await self._decode_windows(windows, t, use_ts, new_audio_s, [i == 0 for i in range(len(windows))],
+                                             then=parse_and_retry)
+        parsed, retried = [p for p, _ in results], [r for _, r in results]
         merged, heard_until = Merged(), 0.0
         for i, pieces in enumerate(parsed):
             start_s = starts[i] / sr
@@ -296,45 +312,41 @@ class _Run:
         use_ts = self.timestamps or len(wave) > self.window_samples
         heard = [w.regions[-1][1] for w in plan]
         new_audio_s = [(heard[i] - (heard[i - 1] if i else 0)) / sr for i in range(len(plan))]
+
+        async def parse_and_retry(i: int, ids) -> tuple[list[Piece], list[Piece] | None]:
+            audio = windows[i]
+            pieces = parse_window(ids, self.tokens.eot, self.tokens.timestamp_begin, 0.0, len(audio) / sr, use_ts,
+                                  ids.stats).pieces
+            r = unheard_from(pieces, len(audio) / sr) if use_ts else None
+            return pieces, None if r is None else await self._retry_one(audio[int(r * sr):], r, t)
+
         # Every window opens at a speech onset (plus the pad), so its first timestamp comes early.
-        outputs = await self._decode_windows(windows, t, use_ts, new_audio_s, [True] * len(plan))
-        parsed = [parse_window(ids, self.tokens.eot, self.tokens.timestamp_begin, 0.0, len(audio) / sr, use_ts,
-                               ids.stats).pieces for audio, ids in zip(windows, outputs)]
-        retry_from = [unheard_from(p, len(audio) / sr) if use_ts else None for p, audio in zip(parsed, windows)]
-        retried = await self._retry([None if r is None else (audio[int(r * sr):], r)
-                                     for r, audio in zip(retry_from, windows)], t)
+        results = await self._decode_windows(windows, t, use_ts, new_audio_s, [True] * len(plan), then=parse_and_retry)
+        parsed, retried = [p for p, _ in results], [r for _, r in results]
         pieces = []
         for w, window_pieces, extra in zip(plan, parsed, retried):
             pieces += [Piece(*w.span_to_file_s(p.start_s, p.end_s, sr), p.token_ids, p.stats)
                        for p in window_pieces + (extra or [])]
         return pieces
 
-    async def _retry(self, jobs: list[tuple[np.ndarray, float] | None], t: Transcript) -> list[list[Piece] | None]:
-        """The pieces of each ``(audio, start_s)`` decoded once more with timestamps (None stays None),
-        all in flight at once; the audio was already counted in the progress."""
-        async def one(audio: np.ndarray, start_s: float) -> list[Piece]:
-            ids = await self._decode(audio, t, True)
-            length_s = len(audio) / self.sample_rate
-            return parse_window(ids, self.tokens.eot, self.tokens.timestamp_begin, start_s, length_s, True,
-                                ids.stats).pieces
-
-        todo = [asyncio.ensure_future(one(*job)) if job is not None else None for job in jobs]
-        try:
-            return [await f if f is not None else None for f in todo]
-        except BaseException:
-            for f in todo:
-                if f is not None:
-                    f.cancel()
-            raise
+    async def _retry_one(self, audio: np.ndarray, start_s: float, t: Transcript) -> list[Piece]:
+        """The pieces of ``audio`` (starting ``start_s`` into the file or window) decoded once more
+        with timestamps; its audio was already counted in the progress."""
+        ids = await self._decode(audio, t, True)
+        return parse_window(ids, self.tokens.eot, self.tokens.timestamp_begin, start_s, len(audio) / self.sample_rate,
+                            True, ids.stats).pieces
 
     async def _decode_windows(self, windows: list[np.ndarray], t: Transcript, use_ts: bool,
-                              new_audio_s: list[float], cap_first_timestamp: list[bool]) -> list[list[int]]:
-        """Every window's output, all in flight at once. Without a language on a multilingual
-        checkpoint, the other windows wait for the first one's language token, not its whole text."""
+                              new_audio_s: list[float], cap_first_timestamp: list[bool], then=None) -> list:
+        """Every window's output, all in flight at once (with ``then``, ``await then(i, output)``
+        instead: run as soon as window i is done, so a retry it submits joins the engine's batch
+        while the other windows still decode, not in a second wave after all of them). Without a
+        language on a multilingual checkpoint, the other windows wait for the first one's language
+        token, not its whole text."""
         async def one(i: int, language_known: asyncio.Future | None = None):
             ids = await self._decode(windows[i], t, use_ts, language_known, cap_first_timestamp[i])
             self._advance(t, new_audio_s[i])
-            return ids
+            return ids if then is None else await then(i, ids)
 
         language_known = asyncio.get_running_loop().create_future() if t.language is None else None
         first = asyncio.ensure_future(one(0, language_known))
@@ -436,7 +448,8 @@ class _Run:
             prefix_logprob_position=len(prompt))        # right after <|startoftranscript|>
         request = {"prompt_token_ids": decoder_prompt, "multi_modal_data": {"audio": [(window, self.sample_rate)]}}
         async with self.request_slots:
-            handle = await asyncio.to_thread(self.llm.generate_async, request, params, streaming=detect)
+            handle = await asyncio.get_running_loop().run_in_executor(
+                self.submitter, functools.partial(self.llm.generate_async, request, params, streaming=detect))
             try:
                 final = None
                 async for final in handle:
