@@ -107,12 +107,13 @@ PY
         --concurrency "$C" --num-requests "$NUM"
     # The same C from CLIENTS bench processes side by side (C/CLIENTS each): one Python client
     # can itself be the limit (bench/scripts/serve_overhead.py); their out tok/s add up.
-    local k=${CLIENTS:-4} i
+    local k=${CLIENTS:-4} i clients=()
     for i in $(seq 1 "$k"); do
       run http-stream-$k-$i $LIMIT --url "http://127.0.0.1:$port" --streaming --quiet --warmup 1 $TXT \
           --concurrency $((C / k)) --num-requests $((NUM / k)) &
+      clients+=($!)
     done
-    wait
+    wait "${clients[@]}"          # not a bare wait: that would wait for the server too
   else
     echo "serve: not healthy within ${SERVE_WAIT_S:-150} s; last lines of serve.log:"; tail -5 "$WORK/serve.log"
   fi
