@@ -171,3 +171,18 @@ def test_one_sampler_over_steps_uses_each_steps_own_requests():
     assert set(sampler.sample(logits, greedy_like, [1] * 2000).output().token_ids) == {0}     # kept: same rows
     free = [state(temperature=1.0) for _ in range(2000)]
     assert len(set(sampler.sample(logits, free, [2] * 2000).output().token_ids)) > 5
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5, 6, 64, 65])
+def test_drawing_parameters_reach_the_kernels_16_byte_aligned_at_any_batch_size(rows):
+    # The race kernels are compiled per pointer alignment: a parameter vector starting mid-line
+    # at some batch size would compile a second variant (about a second's stall) in serving.
+    from enc2dec.engine.runner.sampler import _DrawPlan
+
+    states = [state(temperature=0.8, top_p=0.95, min_p=0.01 * (i % 3), top_k=i % 4) for i in range(rows)]
+    plan = _DrawPlan(states, list(range(rows)), torch.device("cpu"))
+    top_k, top_p, min_p, _ = plan.filters
+    for t in (plan.temperature, top_k, top_p, min_p):
+        assert t.is_contiguous() and t.shape == (rows,) and t.data_ptr() % 16 == 0
+    assert plan.temperature.tolist() == pytest.approx([0.8] * rows)
+    assert min_p.tolist() == pytest.approx([0.01 * (i % 3) for i in range(rows)])

@@ -409,8 +409,12 @@ class _DrawPlan:
         order = self.seeded + [r for r in rows if states[r].stream is None]     # seeded rows first
         self.idx = None if order == list(range(len(states))) else to_device(order, torch.long, dev)
         picked = [states[r] for r in order]
-        # One staged copy, then contiguous per-parameter views for the kernels.
-        floats = to_device([st.float_params for st in picked], torch.float32, dev).t().contiguous()   # [3, R]
+        # One staged copy, each parameter a contiguous row padded to 16 bytes: Triton compiles a
+        # kernel variant per pointer alignment, so a row starting mid-line (R % 4 != 0) would
+        # compile a second one, a stall of about a second, at the first such batch size.
+        n, pad = len(picked), -len(picked) % 4
+        cols = [list(c) + [0.0] * pad for c in zip(*(st.float_params for st in picked))]
+        floats = to_device(cols, torch.float32, dev)[:, :n]                      # [3, R] of rows 16-byte aligned
         self.temperature = floats[0]
         self.filters = None
         if any(st.has_filters for st in picked):                           # decided on the host
