@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import platform
 import shlex
@@ -63,6 +64,24 @@ async def _bench_target(target, reqs: list[BenchRequest], opts: BenchOptions, pr
         finally:
             extras = await target.end_level()
         on_level(compute_level(target.name, c, records, duration, **extras))
+
+
+def _local_vocab_size(model: str | None) -> int | None:
+    """With --url, the vocabulary of --model where it is readable here without the hub (a
+    folder's config.json, or a name in the known-config table), so synthetic prompt ids stay
+    inside it; None: the range every usual vocabulary has."""
+    if not model:
+        return None
+    path = os.path.join(model, "config.json")
+    if os.path.isfile(path):
+        try:
+            with open(path) as f:
+                return int(json.load(f).get("vocab_size") or 0) or None
+        except (OSError, ValueError, TypeError):
+            return None
+    from enc2dec.engine.inputs.known_configs import KNOWN_MODELS, get_known_config
+
+    return getattr(get_known_config(model), "vocab_size", None) if model in KNOWN_MODELS else None
 
 
 def _versions() -> dict:
@@ -205,7 +224,7 @@ class _Run:
         from .http_client import HttpTarget
 
         opts, meta = self.opts, self.meta
-        reqs, meta["workload"] = build_workload(opts, opts.is_audio_requested, None)
+        reqs, meta["workload"] = build_workload(opts, opts.is_audio_requested, _local_vocab_size(opts.model))
         meta.update(device=_device_info(None, opts.url), dtype=opts.dtype)
 
         async def main():

@@ -96,6 +96,19 @@ def test_url_bench_text(stub_url, tmp_path):
     assert all(b["ignore_eos"] and b["stream"] and b["max_tokens"] == 4 and b["temperature"] == 0 for b in sent)
 
 
+def test_url_bench_keeps_prompt_ids_inside_a_local_models_vocabulary(stub_url, tmp_path):
+    # --model names the served checkpoint's folder: its vocabulary bounds the synthetic ids (a
+    # server of a small-vocabulary model refuses ids past it with 400s).
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "t5", "vocab_size": 88}))
+    r = bench_cli("--url", stub_url, "--model", str(folder), "--concurrency", "2", "--num-requests", "8",
+                  "--input-len", "16", "--output-len", "2")
+    assert r.exit_code == 0, r.output
+    ids = [t for kind, b in _Stub.seen if kind == "text" for t in b["prompt"]]
+    assert len(ids) >= 8 * 16 and max(ids) < 88 and len(set(ids)) > 10
+
+
 def test_url_failed_requests_exit_1(stub_url, tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text('{"input_ids": [13, 2], "output_tokens": 2}\n{"input_ids": [3, 2], "output_tokens": 2}\n')
