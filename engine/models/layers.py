@@ -207,9 +207,10 @@ class EncoderSegments:
 
     def center(self, k: torch.Tensor) -> torch.Tensor:
         # k: [T, H, D] -> the same with each sequence's mean key (over its real positions) taken out
+        kf = k.float()
         sums = torch.zeros(self.num, *k.shape[1:], device=k.device).index_add_(
-            0, self.seg, k.float() * self.valid[:, None, None])
-        return (k.float() - (sums * self.inv_count[:, None, None])[self.seg]).to(k.dtype)
+            0, self.seg, kf * self.valid[:, None, None])
+        return (kf - (sums * self.inv_count[:, None, None])[self.seg]).to(k.dtype)
 
 
 class CrossAttention(nn.Module):
