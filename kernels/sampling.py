@@ -17,6 +17,7 @@ each row into chunks, one program each, and merges per-chunk partials between pa
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 
@@ -405,16 +406,31 @@ def _sm_count(device: torch.device | None) -> int:
     return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
-@functools.lru_cache(maxsize=32)
+_SCRATCH = threading.local()
+SCRATCH_SHAPES = 32          # per thread; past it the cache starts over
+
+
 def _split_scratch(rows: int, splits: int, rounds: int, dev: torch.device) -> tuple[torch.Tensor, ...]:
-    """The split race's partial results, made once per shape: every launch writes before it
-    reads, and launches on one stream run in order, so steps can share them (five allocations
-    fewer per sampled step, which is host time when the step loop is host-bound)."""
-    return (torch.empty(rows, splits, dtype=torch.float32, device=dev),
+    """The split race's partial results, made once per shape and per thread: every launch
+    writes before it reads, and one thread's launches run in stream order, so its steps can
+    share them (five allocations fewer per sampled step, host time when the step loop is
+    host-bound). Per thread, because two engines in one process step on threads of their own
+    and their launches may interleave on one stream."""
+    cache = getattr(_SCRATCH, "buffers", None)
+    if cache is None:
+        cache = _SCRATCH.buffers = {}
+    key = (rows, splits, rounds, dev)
+    buffers = cache.get(key)
+    if buffers is None:
+        if len(cache) >= SCRATCH_SHAPES:
+            cache.clear()
+        buffers = cache[key] = (
+            torch.empty(rows, splits, dtype=torch.float32, device=dev),
             torch.empty(rounds + 1, rows, splits, 2, dtype=torch.float32, device=dev),   # (mass, race value)
             torch.empty(rounds + 1, rows, splits, dtype=torch.int32, device=dev),        # chunk winner
             torch.empty(rounds + 1, rows, 2, dtype=torch.float32, device=dev),           # (winner's score, top-k mass)
             torch.empty(rounds + 1, rows, 2, dtype=torch.int32, device=dev))             # (winner, done)
+    return buffers
 
 
 def _split_filtered_race(scores, floor, top_p, min_p, seeded, fresh, out, num_seeded, block, splits):

@@ -296,3 +296,19 @@ def test_split_choice_fills_the_gpu_but_keeps_chunks_long():
     assert sampling.race_splits(1, 300, block=64) == 1          # 5 blocks: too short to split
     # a long row among many is still cut to chunks of about SPLIT_CHUNK_BLOCKS (Whisper's vocab at C=256)
     assert -(-51866 // sampling.BLOCK) // sampling.race_splits(256, 51866) < 2 * sampling.SPLIT_CHUNK_BLOCKS
+
+
+def test_split_race_scratch_is_shared_by_one_threads_steps_only():
+    # One engine thread's launches run in order, so its steps reuse the buffers; a second
+    # engine's thread may interleave its launches with these, so it must get its own.
+    import threading
+
+    from enc2dec.kernels.sampling import _split_scratch
+
+    mine = _split_scratch(4, 8, 2, torch.device("cpu"))
+    assert all(a is b for a, b in zip(mine, _split_scratch(4, 8, 2, torch.device("cpu"))))
+    theirs = []
+    t = threading.Thread(target=lambda: theirs.extend(_split_scratch(4, 8, 2, torch.device("cpu"))))
+    t.start()
+    t.join()
+    assert len(theirs) == 5 and not any(a.data_ptr() == b.data_ptr() for a, b in zip(mine, theirs))
