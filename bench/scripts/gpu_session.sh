@@ -7,6 +7,8 @@
 #   bash bench/scripts/gpu_session.sh tests            # pytest -m gpu
 #   bash bench/scripts/gpu_session.sh profile          # greedy vs sampled step, flan-t5-large C=64
 #   bash bench/scripts/gpu_session.sh apiside          # serve_overhead.py (CPU side of serve, idle cores)
+#   bash bench/scripts/gpu_session.sh serveprof        # carry .whl .prof: py-spy over serve + 4 bench clients
+#   bash bench/scripts/gpu_session.sh seeded           # flan-t5-large seeded x3, Triton compiles per run
 #
 # Why the parts: a call carries at most 64 MiB and whisper-base in bf16 is 147 MB, so it is
 # staged in /tmp over three calls made back to back (a machine that went idle comes back bare:
@@ -70,6 +72,58 @@ while [ $# -gt 0 ]; do
       echo "python bench/scripts/serve_overhead.py --output-len $L --num-requests $((32768 / L))" >>"$OUT/commands.txt"
       timeout 150 python bench/scripts/serve_overhead.py --output-len $L --num-requests $((32768 / L)) \
           --port $((8300 + L)) 2>/dev/null | tail -4 | tee -a "$OUT/serve_overhead.txt"
+    done ;;
+  serveprof)   # where serve's processes spend their time at C=64 (py-spy is the parent: no ptrace rights needed)
+    setup
+    python -m pip install -q --no-index --no-deps --target /tmp/spy "$REPO"/.prof/*.whl >/dev/null 2>&1
+    API_PROCS=${API_PROCS:-1}
+    echo "py-spy record --subprocesses -- enc2dec serve google/flan-t5-large ... --api-processes $API_PROCS" >>"$OUT/commands.txt"
+    /tmp/spy/bin/py-spy record --subprocesses --nonblocking -r 97 -d ${SPY_S:-70} -f raw -o "$OUT/serve_spy.raw" -- \
+        python -m enc2dec.cli.main serve google/flan-t5-large --load-format dummy --dtype bfloat16 --max-batch-size 64 \
+        --host 127.0.0.1 --port 8777 --log-level warning $( [ "$API_PROCS" -gt 1 ] && echo --api-processes $API_PROCS ) \
+        >"$OUT/serve_spy.log" 2>&1 &
+    spy=$!
+    for i in $(seq 150); do
+      [ "$(curl -s -o /dev/null -w '%{http_code}' 127.0.0.1:8777/health)" = 200 ] && break; sleep 1; done
+    echo "serve healthy after ~$i s"
+    clients=()
+    for k in 1 2 3 4; do
+      timeout 120 python -m enc2dec.cli.main bench --url http://127.0.0.1:8777 --model google/flan-t5-large --streaming \
+          --quiet --warmup 1 --input-len 128 --output-len 128 --concurrency 16 --num-requests ${SPY_REQ:-512} \
+          --report-json "$OUT/spy-client-$k.json" >"$OUT/spy-client-$k.log" 2>&1 &
+      clients+=($!)
+    done
+    wait "${clients[@]}"
+    pkill -INT -f "enc2dec.cli.main serve" ; wait $spy
+    python - "$OUT" <<'PY'
+import json, pathlib, sys
+tot = 0
+for p in sorted(pathlib.Path(sys.argv[1]).glob("spy-client-*.json")):
+    lv = json.loads(p.read_text())["levels"][0]; tot += lv["out_tok_per_s"]
+    print(p.stem, round(lv["out_tok_per_s"]), "TPOT", round(lv["mean_tpot_ms"], 2), "failed", lv["failed"])
+print("summed out tok/s", round(tot))
+PY
+    ;;
+  seeded)      # the seeded stall: three runs, and which Triton kernels each compiled while it ran
+    setup
+    for k in 1 2 3; do
+      export TRITON_CACHE_DIR=/tmp/tcache-seeded-$k
+      t0=$(date +%s.%N)
+      echo "enc2dec bench --model google/flan-t5-large ... --temperature 0.8 --top-p 0.95 --sampling-seed 0 (run $k)" >>"$OUT/commands.txt"
+      timeout 150 python -m enc2dec.cli.main bench --model google/flan-t5-large --load-format dummy --dtype bfloat16 \
+          --quiet --warmup 1 --max-batch-size 64 --input-len 128 --output-len 128 --concurrency 64 --num-requests 256 \
+          --temperature 0.8 --top-p 0.95 --sampling-seed 0 --report-json "$OUT/seeded-$k.json" >"$OUT/seeded-$k.log" 2>&1
+      python - "$OUT/seeded-$k.json" "$TRITON_CACHE_DIR" "$t0" <<'PY'
+import json, os, pathlib, sys
+lv = json.loads(pathlib.Path(sys.argv[1]).read_text())["levels"][0]
+print("seeded", sys.argv[1][-6], round(lv["out_tok_per_s"]), "TPOT", round(lv["mean_tpot_ms"], 2),
+      "TTFT mean/p99", round(lv["mean_ttft_ms"]), lv.get("p99_ttft_ms"), "e2e p99", lv.get("p99_e2e_ms"))
+t0 = float(sys.argv[3])
+ks = sorted((p.stat().st_mtime - t0, p.parent.name[:8], p.name) for p in pathlib.Path(sys.argv[2]).rglob("*.json")
+            if not p.name.startswith("__grp"))
+for t, h, n in ks:
+    print(f"  compiled +{t:6.1f} s {n}")
+PY
     done ;;
   *) echo "unknown step $1"; exit 2 ;;
   esac
