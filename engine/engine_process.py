@@ -18,6 +18,12 @@ what the in-process ``LLM`` gives them.
 
 The client holds no global state (one pipe, one reader thread, its own handles), so a
 front can hold several of them, one per GPU.
+
+More API processes over one engine (``enc2dec serve --api-processes N``): started with
+``listen=True``, the child also accepts clients on a Unix socket (``ProcessLLM.attach``,
+authenticated by a random key). Each client is a connection with the same wire; each gets
+only its own requests' outputs, and every step's counters. A client that goes away has its
+requests aborted; only the first client (the one that spawned the engine) stops it.
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ import itertools
 import multiprocessing
 import os
 import pickle
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -64,6 +71,7 @@ class EngineSnapshot:
     stats: dict
     device: Any = None         # torch.device as the engine process sees it (its GPU 0 is its first visible one)
     dtype: Any = None
+    pid: int | None = None     # the engine process
 
 
 def _snapshot(llm) -> EngineSnapshot:
@@ -76,7 +84,7 @@ def _snapshot(llm) -> EngineSnapshot:
     runner = SimpleNamespace(model=SimpleNamespace(
         max_encoder_positions=getattr(model, "max_encoder_positions", None)))
     return EngineSnapshot(core.hf_config, processor, core.limits, runner, core.is_whisper, llm.tokenizer,
-                          llm.model_info, _stats(llm), core.device, core.dtype)
+                          llm.model_info, _stats(llm), core.device, core.dtype, os.getpid())
 
 
 def _stats(llm) -> dict:
@@ -139,7 +147,58 @@ class _ChildSender:
         return out
 
 
-def _child_main(args: LlmArgs, conn, env: dict | None = None, num_threads: int | None = None) -> None:
+class _Clients:
+    """The engine's API clients: each request's outputs go to the connection that added it.
+    With one client (the usual case) that is a plain forward."""
+
+    def __init__(self, first: _ChildSender):
+        self.senders = [first]
+        self.owner: dict[str, _ChildSender] = {}     # request id -> its client, for clients after the first
+        self.lock = threading.Lock()
+
+    def add(self, sender: _ChildSender) -> None:
+        with self.lock:
+            self.senders = [*self.senders, sender]
+
+    def remove(self, sender: _ChildSender) -> list[str]:
+        """Forget a client; the ids of its requests still running (to abort)."""
+        with self.lock:
+            self.senders = [s for s in self.senders if s is not sender]
+            mine = [rid for rid, s in self.owner.items() if s is sender]
+            for rid in mine:
+                del self.owner[rid]
+        return mine
+
+    def deliver(self, outputs, stats) -> None:
+        senders = self.senders
+        if len(senders) == 1:
+            senders[0].send(("out", senders[0].deltas(outputs), stats))
+            return
+        first, groups = senders[0], {}
+        for ro in outputs:
+            sender = self.owner.get(ro.request_id, first)
+            if ro.finished:
+                self.owner.pop(ro.request_id, None)
+            groups.setdefault(id(sender), (sender, []))[1].append(ro)
+        # Every client gets the step's counters (its admission reads them), with or without outputs.
+        for sender in senders:
+            group = groups.get(id(sender))
+            try:
+                sender.send(("out", sender.deltas(group[1]) if group else [], stats))
+            except OSError:
+                pass                # a client that went away; its command thread forgets it
+
+    def broadcast(self, msg) -> None:
+        for sender in self.senders:
+            try:
+                sender.send(msg)
+            except OSError:
+                pass
+
+
+def _child_main(args: LlmArgs, conn, env: dict | None = None, num_threads: int | None = None,
+                listen: tuple[str, bytes] | None = None) -> None:
+    """``listen``: (Unix socket path, key) on which further API clients attach."""
     import signal
 
     # Placement first, before anything initialises CUDA or sizes a thread pool: a data-parallel
@@ -158,16 +217,17 @@ def _child_main(args: LlmArgs, conn, env: dict | None = None, num_threads: int |
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     sender = _ChildSender(conn)
+    clients = _Clients(sender)
 
     class _ChildLLM(LLM):
-        """The in-process LLM whose outputs go to the parent, one message per step."""
+        """The in-process LLM whose outputs go to its clients, one message per step."""
 
         def _loop(self) -> None:
             try:
                 super()._loop()
             finally:
                 if self._error is not None and not self._stop:    # the step loop died: say so
-                    sender.send(("dead", _portable(self._error)))
+                    clients.broadcast(("dead", _portable(self._error)))
 
         def _deliver(self, outputs) -> None:
             outputs = list(outputs)
@@ -175,7 +235,7 @@ def _child_main(args: LlmArgs, conn, env: dict | None = None, num_threads: int |
                 if ro.finished:
                     self._handles.pop(ro.request_id, None)
             if outputs:
-                sender.send(("out", sender.deltas(outputs), _stats(self)))
+                clients.deliver(outputs, _stats(self))
 
     try:
         llm = _ChildLLM.from_args(dataclasses.replace(args, engine_process=False))
@@ -186,11 +246,60 @@ def _child_main(args: LlmArgs, conn, env: dict | None = None, num_threads: int |
         finally:
             conn.close()
         return
+    stop_listening = _accept_clients(llm, clients, listen) if listen is not None else None
     sender.send(("ready", snapshot))
     try:
-        _serve_commands(llm, conn, sender)
+        _serve_commands(llm, conn, sender, clients)
     finally:
+        if stop_listening is not None:
+            stop_listening()
         llm.shutdown()
+        clients.broadcast(("closed",))       # the first client and any attached one
+        conn.close()
+
+
+def _accept_clients(llm, clients: _Clients, listen: tuple[str, bytes]):
+    """A thread accepting API clients on ``listen`` (path, key); each gets the start-up
+    snapshot, then its own command thread. Returns the function that stops it."""
+    from multiprocessing.connection import Listener
+
+    address, key = listen
+    listener = Listener(address, family="AF_UNIX", authkey=key)
+    closed = threading.Event()
+
+    def accept() -> None:
+        while True:
+            try:
+                conn = listener.accept()
+            except Exception:  # noqa: BLE001 - a wrong key or a client gone mid-handshake: refuse it
+                if closed.is_set():                  # the engine is stopping
+                    return
+                continue
+            sender = _ChildSender(conn)
+            try:
+                sender.send(("ready", _snapshot(llm)))
+            except OSError:
+                conn.close()
+                continue
+            clients.add(sender)
+            threading.Thread(target=_serve_client, args=(llm, conn, sender, clients), daemon=True,
+                             name="enc2dec-engine-client").start()
+
+    threading.Thread(target=accept, daemon=True, name="enc2dec-engine-listener").start()
+
+    def stop() -> None:
+        closed.set()
+        listener.close()
+    return stop
+
+
+def _serve_client(llm, conn, sender: _ChildSender, clients: _Clients) -> None:
+    """An attached client's commands until it detaches or goes away; then its requests end."""
+    try:
+        _serve_commands(llm, conn, sender, clients, first=False)
+    finally:
+        for rid in clients.remove(sender):
+            llm._abort(rid)
         try:
             sender.send(("closed",))
         except OSError:
@@ -198,13 +307,13 @@ def _child_main(args: LlmArgs, conn, env: dict | None = None, num_threads: int |
         conn.close()
 
 
-def _serve_commands(llm, conn, sender: _ChildSender) -> None:
+def _serve_commands(llm, conn, sender: _ChildSender, clients: _Clients, first: bool = True) -> None:
     core = llm.engine
     while True:
         try:
             msg = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):
-            return                                    # the parent is gone
+            return                                    # the client is gone
         kind = msg[0]
         if kind == "add":
             _, call_id, payload = msg
@@ -228,6 +337,9 @@ def _serve_commands(llm, conn, sender: _ChildSender) -> None:
             if errors:
                 sender.send(("reply", call_id, False, errors))
                 continue
+            if not first:
+                for t in tracked:
+                    clients.owner[t.request.request_id] = sender
             try:
                 for t in tracked:
                     llm._submit(t)
@@ -245,7 +357,7 @@ def _serve_commands(llm, conn, sender: _ChildSender) -> None:
                 sender.send(("reply", call_id, False, _portable(e)))
                 continue
             future.add_done_callback(_reply_when_done(sender, call_id))
-        elif kind == "shutdown":
+        elif kind in ("shutdown", "detach"):        # an attached client's shutdown only detaches it
             return
 
 
@@ -270,6 +382,39 @@ def _portable(e: BaseException) -> BaseException:
 
 
 # ---- parent side --------------------------------------------------------------------------------
+def new_attach_address() -> tuple[str, bytes]:
+    """A fresh (Unix socket path, key) for ``ProcessLLM(listen=...)``: a private folder of its
+    own, and 32 random bytes that a client must prove it knows."""
+    folder = tempfile.mkdtemp(prefix="enc2dec-engine-")
+    return os.path.join(folder, "engine.sock"), os.urandom(32)
+
+
+def _remove_socket(path: str) -> None:
+    for remove in (os.remove, os.rmdir):
+        try:
+            remove(path)
+        except OSError:
+            pass
+        path = os.path.dirname(path)
+
+
+def _connect(path: str, key: bytes):
+    """A connection to the engine listening on ``path``, once it is there (it listens only once
+    its model has loaded)."""
+    from multiprocessing.connection import Client
+
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        try:
+            return Client(path, family="AF_UNIX", authkey=key)
+        except (FileNotFoundError, ConnectionRefusedError):
+            if time.monotonic() > deadline:
+                raise EngineProcessError(f"no engine process listens on {path}") from None
+            time.sleep(0.2)
+        except multiprocessing.AuthenticationError:
+            raise EngineProcessError(f"the engine process on {path} refused the key") from None
+
+
 class _Stream:
     """The parent's cumulative view of one request, rebuilt from the child's deltas."""
 
@@ -316,9 +461,44 @@ class ProcessLLM:
     child_main = staticmethod(_child_main)
 
     def __init__(self, args: LlmArgs, *, env: dict | None = None, num_threads: int | None = None,
-                 name: str = "engine process"):
+                 name: str = "engine process", listen: bool | tuple[str, bytes] = False,
+                 _attach: tuple[str, bytes] | None = None):
         """``env`` (environment variables) and ``num_threads`` (torch threads) apply in the child
-        before the engine is built; ``name`` is how errors call this process (a replica's)."""
+        before the engine is built; ``name`` is how errors call this process (a replica's).
+        ``listen``: other processes may attach to this engine (``attach``) at ``attach_address``;
+        True picks one, or pass ``new_attach_address()`` made beforehand."""
+        self._setup(args, name)
+        self.attach_address: tuple[str, bytes] | None = None
+        if _attach is not None:
+            self._proc = None
+            self._conn = _connect(*_attach)
+        else:
+            if listen is True:
+                listen = new_attach_address()
+            if listen:
+                self.attach_address = listen
+            ctx = multiprocessing.get_context("spawn")
+            self._conn, child_conn = ctx.Pipe(duplex=True)
+            extra = (self.attach_address,) if listen else ()
+            self._proc = ctx.Process(target=self.child_main, args=(args, child_conn, env, num_threads, *extra),
+                                     name="enc2dec-engine-core", daemon=True)
+            self._proc.start()
+            child_conn.close()                       # the child's death must end our reads with EOF
+        self._snapshot = self._wait_ready()
+        self._stats = self._snapshot.stats
+        self._reader = threading.Thread(target=self._read_loop, name="enc2dec-engine-reader", daemon=True)
+        self._reader.start()
+
+    @classmethod
+    def attach(cls, address: tuple[str, bytes], args: LlmArgs | None = None, *,
+               name: str = "engine process") -> "ProcessLLM":
+        """A client of an engine another process started with ``listen=True`` (its
+        ``attach_address``): the same surface, its own requests. Waits until that engine is up
+        (its socket appears once the model has loaded). ``shutdown()`` detaches; the engine
+        stops with the process that started it."""
+        return cls(args, name=name, _attach=address)
+
+    def _setup(self, args, name: str) -> None:
         from enc2dec.engine.llm import RequestHandle
 
         self._handle_cls = RequestHandle
@@ -332,16 +512,6 @@ class ProcessLLM:
         self._stop = False
         self._error: BaseException | None = None
         self.name = name
-        ctx = multiprocessing.get_context("spawn")
-        self._conn, child_conn = ctx.Pipe(duplex=True)
-        self._proc = ctx.Process(target=self.child_main, args=(args, child_conn, env, num_threads),
-                                 name="enc2dec-engine-core", daemon=True)
-        self._proc.start()
-        child_conn.close()                       # the child's death must end our reads with EOF
-        self._snapshot = self._wait_ready()
-        self._stats = self._snapshot.stats
-        self._reader = threading.Thread(target=self._read_loop, name="enc2dec-engine-reader", daemon=True)
-        self._reader.start()
 
     @classmethod
     def from_args(cls, args: LlmArgs) -> "ProcessLLM":
@@ -349,6 +519,15 @@ class ProcessLLM:
 
     def _wait_ready(self) -> EngineSnapshot:
         deadline = time.monotonic() + START_TIMEOUT_S
+        if self._proc is None:                   # attached: the engine answers at once
+            try:
+                msg = pickle.loads(self._conn.recv_bytes()) if self._conn.poll(SHUTDOWN_TIMEOUT_S) else None
+            except (EOFError, OSError):
+                msg = None
+            if msg is None or msg[0] != "ready":
+                self._conn.close()
+                raise EngineProcessError(f"the {self.name} did not answer on its socket")
+            return msg[1]
         while True:
             if self._conn.poll(0.1):
                 try:
@@ -386,11 +565,13 @@ class ProcessLLM:
     @property
     def pid(self) -> int | None:
         """The engine process's id."""
-        return self._proc.pid
+        return self._proc.pid if self._proc is not None else self._snapshot.pid
 
     @property
     def is_healthy(self) -> bool:
-        return not self._stop and self._error is None and self._proc.is_alive()
+        # The reader ends (and sets the error) when the engine's end of the pipe closes, which its
+        # death does: no waitpid per request.
+        return not self._stop and self._error is None and self._reader.is_alive()
 
     @property
     def error(self) -> BaseException | None:
@@ -432,13 +613,16 @@ class ProcessLLM:
             return
         self._stop = True
         try:
-            self._send(("shutdown",))
+            self._send(("shutdown" if self._proc is not None else "detach",))
         except (OSError, ValueError):
             pass
-        self._proc.join(SHUTDOWN_TIMEOUT_S)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(5)
+        if self._proc is not None:
+            self._proc.join(SHUTDOWN_TIMEOUT_S)
+            if self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join(5)
+            if self.attach_address is not None:
+                _remove_socket(self.attach_address[0])
         self._reader.join(SHUTDOWN_TIMEOUT_S)
         self._fail_all("engine shut down")
         self._conn.close()
@@ -586,8 +770,11 @@ class ProcessLLM:
         except Exception as e:  # noqa: BLE001 - a message we cannot read: the link is unusable
             self._error = EngineProcessError(f"bad message from the engine process: {e!r}")
         if not self._stop and self._error is None:
-            self._proc.join(5)
-            self._error = EngineProcessError(f"the {self.name} died (exit code {self._proc.exitcode})")
+            if self._proc is None:
+                self._error = EngineProcessError(f"the {self.name} closed the connection (stopped or died)")
+            else:
+                self._proc.join(5)
+                self._error = EngineProcessError(f"the {self.name} died (exit code {self._proc.exitcode})")
         self._fail_all("engine shut down" if self._error is None else f"engine process died: {self._error}")
 
     def _deliver(self, deltas) -> None:
