@@ -33,6 +33,7 @@ class ServeConfig:
     keep_alive_s: float = 5.0               # an idle keep-alive connection is closed after this
     allowed_origins: tuple[str, ...] = ()   # CORS: browser origins allowed to call the API (off when empty)
     log_level: str = "info"
+    api_processes: int = 1                  # HTTP processes over the one engine process (--api-processes)
 
     def __post_init__(self):
         if not self.model:
@@ -45,7 +46,7 @@ class ServeConfig:
             raise ValueError(f"--port must be in [0, 65535] (0 picks a free port), got {self.port!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("--api-key must not be empty")
-        for name, lo in (("max_queue", 1), ("max_upload_bytes", 1), ("retry_after_s", 0)):
+        for name, lo in (("max_queue", 1), ("max_upload_bytes", 1), ("retry_after_s", 0), ("api_processes", 1)):
             value = getattr(self, name)
             if not isinstance(value, int) or value < lo:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {lo}, got {value!r}")

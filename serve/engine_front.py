@@ -151,7 +151,9 @@ class EngineFront:
         if not self.is_ready:
             raise unavailable("the model is still loading; retry shortly", retry)
         stats = self.stats()
-        waiting = max(0, self.num_seqs_in_flight - stats["running_seqs"])
+        # What this process queued, or what the engine says waits (other API processes' requests
+        # too, as of its last step), whichever is more.
+        waiting = max(0, self.num_seqs_in_flight - stats["running_seqs"], stats["waiting"])
         if waiting + num_seqs > self.config.max_queue:
             if self.metrics is not None:
                 self.metrics.rejected_overload.inc()

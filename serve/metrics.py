@@ -2,9 +2,15 @@
 
 Counters and histograms are updated as requests finish; queue depth, running requests and
 KV blocks are read from the engine when /metrics is scraped, so they are never stale.
+
+With several API processes (``PROMETHEUS_MULTIPROC_DIR`` set, see serve/server.py) each
+process writes its counters to that folder and a scrape, whichever process answers it, sums
+them (prometheus-client's multi-process mode); the requests in flight are then a gauge each
+process refreshes on uvicorn's tick, summed over the live processes.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 # Seconds: CPU tests sit at the low end, 30 s Whisper windows on a busy GPU at the high end.
@@ -18,8 +24,19 @@ class ServeMetrics:
 
         disable_created_metrics()        # no *_created series: noise for every scraper we know
 
+        self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         self.registry = CollectorRegistry(auto_describe=True)
-        reg = self.registry
+        # Multi-process: the metrics live in the shared folder; a scrape reads them all from there.
+        reg = None if self.multiprocess else self.registry
+        self._in_flight_gauge = None
+        if self.multiprocess:
+            from prometheus_client import Gauge, multiprocess
+
+            multiprocess.MultiProcessCollector(self.registry)
+            self._in_flight_gauge = Gauge("enc2dec_num_requests_in_flight", "Engine requests the server has "
+                                          "submitted and not yet answered", multiprocess_mode="livesum",
+                                          registry=None)
+            num_in_flight = None
         self.requests = Counter("enc2dec_http_requests", "HTTP requests answered, by endpoint and status code",
                                 ["endpoint", "status"], registry=reg)
         self.finished = Counter("enc2dec_request_finished", "Engine requests ended, by finish reason "
@@ -35,7 +52,12 @@ class ServeMetrics:
                               buckets=TTFT_BUCKETS_S, registry=reg)
         self.e2e = Histogram("enc2dec_e2e_request_latency_seconds", "Arrival to last output token",
                              buckets=E2E_BUCKETS_S, registry=reg)
-        reg.register(_EngineCollector(model_name, engine_stats, num_in_flight))
+        self.registry.register(_EngineCollector(model_name, engine_stats, num_in_flight))
+
+    def sync_in_flight(self, num: int) -> None:
+        """Multi-process: this process's requests in flight, for the summed gauge."""
+        if self._in_flight_gauge is not None:
+            self._in_flight_gauge.set(num)
 
     def observe_output(self, out) -> None:
         """One finished RequestOutput (engine timestamps, so queueing time is included)."""
@@ -71,8 +93,9 @@ class _EngineCollector:
         from prometheus_client.core import GaugeMetricFamily
 
         stats = self._stats() or {}
-        yield _gauge(GaugeMetricFamily, "enc2dec_num_requests_in_flight",
-                     "Engine requests the server has submitted and not yet answered", self._in_flight())
+        if self._in_flight is not None:          # else a multi-process gauge reports it
+            yield _gauge(GaugeMetricFamily, "enc2dec_num_requests_in_flight",
+                         "Engine requests the server has submitted and not yet answered", self._in_flight())
         if not stats:
             return
         yield _gauge(GaugeMetricFamily, "enc2dec_num_requests_waiting", "Requests queued in the engine "

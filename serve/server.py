@@ -8,12 +8,23 @@ flush, and the server stops; uvicorn's own graceful wait is kept short so it add
 of note. The exit code is then 1 (the drain did not complete), else 0. SIGINT (Ctrl-C) is
 uvicorn's usual quick stop. The socket is bound before uvicorn starts so that port 0 works
 and the log names the real port.
+
+``--api-processes N``: this process and N-1 spawned ones serve the same listening socket
+(the kernel hands each new connection to one of them), each with its own event loop and
+GIL, all attached to the one engine process this process starts. SIGTERM is passed on: each
+drains its own requests, and this one waits for the others before it stops the engine.
+Prometheus counters are kept per process in a shared folder and summed on every scrape
+(prometheus-client's multi-process mode).
 """
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import os
+import shutil
 import signal
 import socket
+import tempfile
 import time
 
 from .config import ServeConfig
@@ -36,13 +47,18 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def make_server(app, config: ServeConfig):
+def make_server(app, config: ServeConfig, workers: list | None = None):
+    """``workers``: the other API processes (``multiprocessing`` processes), which a SIGTERM
+    reaches through this one and whose exit this one's drain waits for."""
     import uvicorn
+
+    workers = workers or []
 
     class DrainingServer(uvicorn.Server):
         drain_started: float | None = None
         cut_at: float | None = None
         drain_incomplete = False
+        gone: set = set()
 
         def handle_exit(self, sig, frame):
             if sig == signal.SIGTERM and self.drain_started is None and not self.should_exit:
@@ -50,6 +66,7 @@ def make_server(app, config: ServeConfig):
                 app.state.front.begin_drain()
                 logger.info("SIGTERM: draining %d request(s) in flight, taking no new ones",
                             max(0, app.state.http.num_active))
+                _signal_all(workers, signal.SIGTERM)
                 return
             super().handle_exit(sig, frame)
 
@@ -57,9 +74,16 @@ def make_server(app, config: ServeConfig):
             front = app.state.front
             if front.state == "failed" and front.llm is None:
                 return True                                  # the engine never came up
+            for w in workers:
+                if w.exitcode is not None and w.pid not in self.gone:
+                    self.gone = self.gone | {w.pid}
+                    _forget_metrics_of(w.pid)
+                    if self.drain_started is None:
+                        logger.error("API process %s exited (code %s); the others keep serving", w.name, w.exitcode)
+            app.state.metrics.sync_in_flight(front.num_in_flight)
             if self.drain_started is not None:
                 elapsed = time.monotonic() - self.drain_started
-                if app.state.http.num_active == 0:
+                if app.state.http.num_active == 0 and all(w.exitcode is not None for w in workers):
                     return True
                 timeout = config.drain_timeout_s
                 stop_at = timeout - _slice_s(timeout)          # uvicorn's graceful wait comes after
@@ -98,20 +122,96 @@ def run_server(config: ServeConfig, llm_args) -> int:
         sock = bind_socket(config.host, config.port)
     except OSError as e:
         raise ValueError(f"cannot listen on {config.host}:{config.port}: {e.strerror or e}") from None
-    app = build_app(config, llm_args=llm_args)
+    workers, metrics_dir, make_llm = [], None, None
+    if config.api_processes > 1:
+        from enc2dec.engine.engine_process import ProcessLLM, new_attach_address
+
+        # Before prometheus_client is imported anywhere: it picks its multi-process mode then,
+        # and the spawned processes inherit the variable.
+        metrics_dir = tempfile.mkdtemp(prefix="enc2dec-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+        address = new_attach_address()
+
+        def make_llm():
+            return ProcessLLM(llm_args, listen=address)
+
+        ctx = multiprocessing.get_context("spawn")
+        for i in range(1, config.api_processes):
+            w = ctx.Process(target=_api_worker, args=(config, llm_args, address, sock), name=f"api-{i}", daemon=True)
+            w.start()
+            workers.append(w)
+    app = build_app(config, llm_args=llm_args, make_llm=make_llm)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    logger.info("enc2dec serve: listening on http://%s:%d (model %s loading)", shown, port, config.model)
+    logger.info("enc2dec serve: listening on http://%s:%d (model %s loading%s)", shown, port, config.model,
+                f"; {config.api_processes} API processes" if workers else "")
+    server = make_server(app, config, workers)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+        worker_codes = _stop_workers(workers)
+        if metrics_dir is not None:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+    front = app.state.front
+    if front.state == "failed" and front.error:
+        logger.error("enc2dec serve: the engine failed: %s", front.error)
+        return 2 if front.failed_on_input else 1
+    if server.drain_incomplete or 1 in worker_codes:
+        logger.error("enc2dec serve: the drain did not complete: requests were cut at --drain-timeout")
+        return 1
+    return 0
+
+
+def _api_worker(config: ServeConfig, llm_args, address, sock) -> None:
+    """One more API process: the same app over an attached client of the engine process."""
+    from enc2dec.engine.engine_process import ProcessLLM
+
+    from .app import build_app
+
+    _worker_logging(config.log_level)
+    app = build_app(config, llm_args=llm_args, make_llm=lambda: ProcessLLM.attach(address, llm_args))
     server = make_server(app, config)
     try:
         server.run(sockets=[sock])
     finally:
         sock.close()
-    front = app.state.front
-    if front.state == "failed" and front.error:
-        logger.error("enc2dec serve: the engine failed: %s", front.error)
-        return 2 if front.failed_on_input else 1
-    if server.drain_incomplete:
-        logger.error("enc2dec serve: the drain did not complete: requests were cut at --drain-timeout")
-        return 1
-    return 0
+    raise SystemExit(1 if server.drain_incomplete else 0)
+
+
+def _worker_logging(level: str) -> None:
+    log = logging.getLogger("enc2dec")
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s %(name)s[{os.getpid()}]: %(message)s"))
+        log.addHandler(handler)
+    log.setLevel(level.upper())
+
+
+def _signal_all(workers, sig) -> None:
+    for w in workers:
+        if w.exitcode is None:
+            try:
+                os.kill(w.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+def _stop_workers(workers) -> list[int | None]:
+    """After this process stopped serving: the others stop too (at once unless they are
+    draining already), then their exit codes."""
+    _signal_all(workers, signal.SIGINT)
+    for w in workers:
+        w.join(10)
+        if w.exitcode is None:
+            w.kill()
+            w.join(5)
+    return [w.exitcode for w in workers]
+
+
+def _forget_metrics_of(pid: int) -> None:
+    """A finished API process's live gauges leave the sums (its counters stay counted)."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(pid)

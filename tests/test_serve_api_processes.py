@@ -1,0 +1,130 @@
+"""``enc2dec serve --api-processes N``: N HTTP processes on one port over one engine process.
+The real command in a subprocess (loopback, bounded waits): the same answers as the engine
+gives in-process, metrics summed over the processes, and a SIGTERM drain that lets a stream in
+flight finish before everything exits 0."""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from test_serve_helpers import httpx
+
+from enc2dec.engine import LLM, SamplingParams
+from enc2dec.serve.config import build_llm_args
+
+PROMPTS = ["translate the house is big", "a b c d e", "summarize: one two three four", "x y", "hello there"]
+
+
+def _start(model: str, *extra: str):
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "enc2dec.cli.main", "serve", model, "--device", "cpu", "--dtype", "float32",
+           "--port", "0", "--served-model-name", "t5", "--api-processes", "2", *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
+    deadline = time.monotonic() + 90
+    url = None
+    while url is None:
+        assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+        m = next((re.search(r"listening on (http://\S+)", ln) for ln in list(lines) if "listening on" in ln), None)
+        url = m.group(1) if m else None
+        time.sleep(0.05)
+    # Both processes must be up: each logs "engine ready" once its client is attached.
+    while sum("engine ready" in ln for ln in list(lines)) < 2:
+        assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+        time.sleep(0.1)
+    return proc, url, lines
+
+
+@pytest.fixture(scope="module")
+def server(t5_relu):
+    proc, url, lines = _start(t5_relu)
+    try:
+        yield proc, url, lines
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def _complete(url: str, prompt: str, stream: bool) -> str:
+    body = {"model": "t5", "prompt": prompt, "max_tokens": 8, "stream": stream}
+    if not stream:
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+    text = ""
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                text += json.loads(line[6:])["choices"][0]["text"]
+    return text
+
+
+def _completions_answered(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    m = re.search(r'^enc2dec_http_requests_total\{endpoint="/v1/completions",status="200"\} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_many_connections_get_the_in_process_engines_answers(server, t5_relu):
+    _, url, _ = server
+    # The engine options the command builds, in this process.
+    with LLM.from_args(build_llm_args(t5_relu, None, dtype="float32", device="cpu")) as local:
+        want = [o.outputs[0].text for o in local.generate(PROMPTS, SamplingParams(max_tokens=8), use_tqdm=False)]
+    jobs = [(p, stream) for _ in range(4) for p in PROMPTS for stream in (False, True)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:      # a new connection per request
+        got = list(pool.map(lambda job: _complete(url, *job), jobs))
+    assert got == [want[PROMPTS.index(p)] for p, _ in jobs]
+
+
+def test_metrics_count_every_process_whichever_answers_the_scrape(server):
+    _, url, _ = server
+    before = _completions_answered(url)
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        list(pool.map(lambda p: _complete(url, p, False), PROMPTS * 2))
+    # Scrapes on new connections land on either process; each must give the summed count.
+    seen = {_completions_answered(url) for _ in range(6)}
+    assert seen == {before + 2 * len(PROMPTS)}
+
+
+def test_sigterm_lets_a_stream_in_flight_finish_then_every_process_exits_0(t5_relu):
+    proc, url, lines = _start(t5_relu)
+    try:
+        body = {"model": "t5", "prompt": "drain me", "max_tokens": 400, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            events = r.iter_lines()
+            first = next(e for e in events if e.startswith("data:"))
+            proc.send_signal(signal.SIGTERM)
+            rest = [first] + [e for e in events if e.startswith("data:")]
+        assert rest[-1] == "data: [DONE]" and '"completion_tokens":400' in rest[-2]
+        assert proc.wait(timeout=60) == 0, "".join(lines)
+        assert sum("SIGTERM: draining" in ln for ln in lines) == 2      # both processes drained
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(url + "/health", timeout=2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def test_api_processes_need_the_engine_process():
+    from typer.testing import CliRunner
+
+    from enc2dec.cli.main import app
+
+    r = CliRunner().invoke(app, ["serve", "google/flan-t5-small", "--load-format", "dummy", "--api-processes", "2",
+                                 "--no-engine-process"])
+    assert r.exit_code == 2 and "engine in its own process" in r.output
+    r = CliRunner().invoke(app, ["serve", "google/flan-t5-small", "--api-processes", "0"])
+    assert r.exit_code == 2 and "--api-processes must be an integer >= 1" in r.output
