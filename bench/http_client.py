@@ -43,6 +43,7 @@ class HttpTarget:
         self.model = model
         self.streaming = streaming
         self.beam_width = beam_width
+        self.concurrency, self.timeout_s = concurrency, timeout_s
         httpx = _httpx()
         self._httpx = httpx
         limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)

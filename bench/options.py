@@ -49,6 +49,7 @@ class BenchOptions:
     detect_language: bool = False
     baselines: tuple[str, ...] = ()
     url: str | None = None
+    client_processes: int | None = None     # --url: client processes (None: one per 16 streams, bench/http_shards.py)
     thresholds: tuple[Threshold, ...] = ()
     command: str | None = None
 
@@ -67,6 +68,12 @@ class BenchOptions:
             raise BenchInputError(f"--duration must be > 0 seconds, got {self.duration_s}")
         if self.warmup < 0:
             raise BenchInputError(f"--warmup must be >= 0, got {self.warmup}")
+        if self.client_processes is not None:
+            if self.client_processes < 1:
+                raise BenchInputError(f"--client-processes must be >= 1, got {self.client_processes}")
+            if self.url is None:
+                raise BenchInputError("--client-processes is for --url (a server); the in-process engine "
+                                      "has no client to spread")
         if self.beam_width < 1:
             raise BenchInputError(f"--beam-width must be >= 1 (1: greedy), got {self.beam_width}")
         if self.beam_width > 1 and self.url and self.is_audio_requested:

@@ -18,6 +18,7 @@ from datetime import datetime, timezone
 from typing import Callable
 
 from .errors import BenchInputError
+from .http_shards import auto_client_processes
 from .loop import Progress, closed_loop
 from .metrics import LevelMetrics, compute_level
 from .options import BenchOptions, _split_warmup, build_workload, cycle_requests
@@ -47,6 +48,8 @@ class BenchResult:
 async def _bench_target(target, reqs: list[BenchRequest], opts: BenchOptions, progress: Progress,
                         on_level: Callable[[LevelMetrics], None]) -> None:
     warm, measured = _split_warmup(reqs, opts.warmup)
+    # A target may run the closed loop itself (bench --url from several client processes).
+    run_loop = getattr(target, "closed_loop", None) or (lambda *a: closed_loop(target.send, *a))
     for c in opts.concurrency:
         if warm:
             # At least one full wave at the level's concurrency, as the baselines warm one batch of
@@ -55,12 +58,12 @@ async def _bench_target(target, reqs: list[BenchRequest], opts: BenchOptions, pr
             # throughput (docs/benchmarks.md).
             wave = cycle_requests(reqs, max(len(warm), c))
             progress.start(f"{target.name} C={c} warm-up", len(wave))
-            await closed_loop(target.send, wave, c, len(wave), None, progress)
+            await run_loop(wave, c, len(wave), None, progress)
         n = opts.level_num_requests(c)
         progress.start(f"{target.name} C={c}", n)
         await target.begin_level()
         try:
-            records, duration = await closed_loop(target.send, measured, c, n, opts.duration_s, progress)
+            records, duration = await run_loop(measured, c, n, opts.duration_s, progress)
         finally:
             extras = await target.end_level()
         on_level(compute_level(target.name, c, records, duration, **extras))
@@ -228,11 +231,15 @@ class _Run:
         meta.update(device=_device_info(None, opts.url), dtype=opts.dtype)
 
         async def main():
-            target = HttpTarget(opts.url, opts.model, max(opts.concurrency), opts.streaming,
-                                beam_width=opts.beam_width)
+            c_max = max(opts.concurrency)
+            target = HttpTarget(opts.url, opts.model, c_max, opts.streaming, beam_width=opts.beam_width)
             try:
                 await target.connect()
                 meta["model"] = target.model
+                k = opts.client_processes or auto_client_processes(c_max)
+                meta["client_processes"] = k
+                if k > 1:
+                    target = ShardedHttpTarget(target, k)
                 await _bench_target(target, reqs, opts, self.progress, self.add)
             finally:
                 await target.aclose()
@@ -263,3 +270,31 @@ class _Run:
                     self.add(compute_level(kind, c, records, duration, **extras))
             finally:
                 base.close()
+
+
+class ShardedHttpTarget:
+    """An HTTP target whose closed loop runs in ``k`` client processes (bench/http_shards.py)."""
+
+    name = "http"
+
+    def __init__(self, target, k: int):
+        from .http_shards import ShardedClients
+
+        self._target = target
+        self.model = target.model
+        self._clients = ShardedClients(k, (target.url, target.model, target.concurrency, target.streaming,
+                                           target.timeout_s, target.beam_width))
+
+    async def begin_level(self) -> None:
+        pass
+
+    async def end_level(self) -> dict:
+        return {}
+
+    async def closed_loop(self, reqs, concurrency, num_requests, duration_s, progress=None):
+        return await asyncio.to_thread(self._clients.run, list(reqs), concurrency, num_requests, duration_s,
+                                       progress)
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self._clients.close)
+        await self._target.aclose()

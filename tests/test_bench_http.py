@@ -96,6 +96,21 @@ def test_url_bench_text(stub_url, tmp_path):
     assert all(b["ignore_eos"] and b["stream"] and b["max_tokens"] == 4 and b["temperature"] == 0 for b in sent)
 
 
+def test_url_bench_from_two_client_processes_counts_every_request_once(stub_url, tmp_path):
+    out = tmp_path / "r.json"
+    r = bench_cli("--url", stub_url, "--concurrency", "4", "--num-requests", "10", "--warmup", "1",
+                  "--input-len", "5", "--output-len", "3", "--client-processes", "2", "--report-json", str(out))
+    assert r.exit_code == 0, r.output
+    rep = json.loads(out.read_text())
+    lv = rep["levels"][0]
+    assert rep["client_processes"] == 2
+    assert lv["completed"] == 10 and lv["failed"] == 0 and lv["output_tokens"] == 30 and lv["duration_s"] > 0
+    # The stub saw the warm-up wave (C requests) and the level's 10, from both processes together.
+    assert len([b for kind, b in _Stub.seen if kind == "text"]) == 4 + 10
+    r = bench_cli("--model", "google/flan-t5-small", "--load-format", "dummy", "--client-processes", "2")
+    assert r.exit_code == 2 and "--client-processes is for --url" in r.output
+
+
 def test_url_bench_keeps_prompt_ids_inside_a_local_models_vocabulary(stub_url, tmp_path):
     # --model names the served checkpoint's folder: its vocabulary bounds the synthetic ids (a
     # server of a small-vocabulary model refuses ids past it with 400s).

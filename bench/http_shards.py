@@ -1,0 +1,91 @@
+"""``bench --url`` from several client processes: one Python process reading SSE streams costs
+about 40-60 us of CPU per streamed token (httpx, JSON), so past roughly 20k tokens/s the client,
+not the server, would set the figure. K processes each run the closed loop with their share of
+the level's concurrency and requests; their records are merged into one level.
+
+The processes start once per run (spawned, so nothing of the parent's event loop is copied) and
+keep their connections between levels. Each shard starts at one agreed instant, and
+``time.monotonic`` is the same system-wide clock in every process on Linux and macOS, so the
+merged level's wall time is simply the first send to the last completion over all records.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import math
+import multiprocessing
+import os
+import time
+
+from .loop import closed_loop
+from .metrics import RequestRecord
+from .workloads import BenchRequest
+
+TOKENS_PER_PROCESS_CONCURRENCY = 16    # auto: one client process per 16 streams in flight
+
+
+def auto_client_processes(concurrency: int) -> int:
+    """One process per 16 streams in flight, at most a quarter of the cores (the server and its
+    engine usually share the host), at least one."""
+    cores = os.cpu_count() or 1
+    return max(1, min(cores // 4, math.ceil(concurrency / TOKENS_PER_PROCESS_CONCURRENCY)))
+
+
+def split(total: int, parts: int) -> list[int]:
+    """``total`` as ``parts`` near-equal shares, largest first."""
+    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
+
+
+_target = None       # this client process's HttpTarget, kept between levels
+
+
+def _shard(target_args: tuple, reqs: list[BenchRequest], concurrency: int, num_requests: int | None,
+           duration_s: float | None, start_at: float) -> list[RequestRecord]:
+    from .http_client import HttpTarget
+
+    async def run():
+        global _target
+        if _target is None:
+            _target = HttpTarget(*target_args)
+        delay = start_at - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        records, _ = await closed_loop(_target.send, reqs, concurrency, num_requests, duration_s)
+        return records
+
+    if not hasattr(_shard, "loop"):
+        _shard.loop = asyncio.new_event_loop()           # one loop per process: the client's pool lives in it
+    return _shard.loop.run_until_complete(run())
+
+
+class ShardedClients:
+    """K client processes running one closed loop between them."""
+
+    def __init__(self, num: int, target_args: tuple):
+        self.num = num
+        self.target_args = target_args
+        self.pool = concurrent.futures.ProcessPoolExecutor(num, mp_context=multiprocessing.get_context("spawn"))
+
+    def run(self, reqs: list[BenchRequest], concurrency: int, num_requests: int | None,
+            duration_s: float | None, progress=None) -> tuple[list[RequestRecord], float]:
+        shares = [c for c in split(concurrency, self.num) if c > 0]
+        counts = ([max(1, round(num_requests * c / concurrency)) for c in shares] if num_requests is not None
+                  else [None] * len(shares))
+        if num_requests is not None:                 # rounding: the shares add up to the level's count
+            counts[0] += num_requests - sum(counts)
+        # Far enough ahead that every process (the first run imports httpx) is waiting when it comes.
+        start_at = time.monotonic() + 0.5
+        futures = [self.pool.submit(_shard, self.target_args, reqs[i::len(shares)] or reqs, c, n, duration_s,
+                                    start_at) for i, (c, n) in enumerate(zip(shares, counts))]
+        records: list[RequestRecord] = []
+        for f in concurrent.futures.as_completed(futures):
+            part = f.result()
+            records.extend(part)
+            if progress is not None:
+                progress.advance(len(part))
+        start = min((r.start_s for r in records), default=start_at)
+        end = max((r.end_s for r in records), default=start)
+        return records, end - start
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
