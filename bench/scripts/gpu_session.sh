@@ -103,14 +103,16 @@ for p in sorted(pathlib.Path(sys.argv[1]).glob("spy-client-*.json")):
     print(p.stem, round(lv["out_tok_per_s"]), "TPOT", round(lv["mean_tpot_ms"], 2), "failed", lv["failed"])
 print("summed out tok/s", round(tot))
 PY
-    ;;
+    tar -czf "$OUT/serveprof.tgz" -C "$OUT" $(cd "$OUT" && ls serve_spy* spy-client-*) && (cd "$OUT" && rm -f serve_spy* spy-client-*) ;;
   seeded)      # the seeded stall: three runs, and which Triton kernels each compiled while it ran
     setup
+    python -m pip install -q --no-index --no-deps --target /tmp/spy "$REPO"/.prof/*.whl >/dev/null 2>&1
     for k in 1 2 3; do
       export TRITON_CACHE_DIR=/tmp/tcache-seeded-$k
       t0=$(date +%s.%N)
       echo "enc2dec bench --model google/flan-t5-large ... --temperature 0.8 --top-p 0.95 --sampling-seed 0 (run $k)" >>"$OUT/commands.txt"
-      timeout 150 python -m enc2dec.cli.main bench --model google/flan-t5-large --load-format dummy --dtype bfloat16 \
+      spy=""; [ -x /tmp/spy/bin/py-spy ] && spy="/tmp/spy/bin/py-spy record --threads --nonblocking -r 250 -f raw -o $OUT/seeded-$k.raw --"
+      timeout 150 $spy python -m enc2dec.cli.main bench --model google/flan-t5-large --load-format dummy --dtype bfloat16 \
           --quiet --warmup 1 --max-batch-size 64 --input-len 128 --output-len 128 --concurrency 64 --num-requests 256 \
           --temperature 0.8 --top-p 0.95 --sampling-seed 0 --report-json "$OUT/seeded-$k.json" >"$OUT/seeded-$k.log" 2>&1
       python - "$OUT/seeded-$k.json" "$TRITON_CACHE_DIR" "$t0" <<'PY'
@@ -124,7 +126,8 @@ ks = sorted((p.stat().st_mtime - t0, p.parent.name[:8], p.name) for p in pathlib
 for t, h, n in ks:
     print(f"  compiled +{t:6.1f} s {n}")
 PY
-    done ;;
+    done 2>&1 | tee "$OUT/seeded.txt" | grep "^seeded"
+    tar -czf "$OUT/seeded.tgz" -C "$OUT" $(cd "$OUT" && ls seeded-*) && (cd "$OUT" && rm -f seeded-*) ;;
   *) echo "unknown step $1"; exit 2 ;;
   esac
   shift
