@@ -9,9 +9,10 @@ of note. The exit code is then 1 (the drain did not complete), else 0. SIGINT (C
 uvicorn's usual quick stop. The socket is bound before uvicorn starts so that port 0 works
 and the log names the real port.
 
-``--api-processes N``: this process and N-1 spawned ones serve the same listening socket
-(the kernel hands each new connection to one of them), each with its own event loop and
-GIL, all attached to the one engine process this process starts. SIGTERM is passed on: each
+``--api-processes N``: this process and N-1 spawned ones serve the one port, each with its own
+event loop and GIL, all attached to the one engine process this process starts. On Linux each
+has a socket of its own on the port (SO_REUSEPORT), so the kernel spreads connections evenly;
+elsewhere they share this process's socket. This process turns healthy once the others serve. SIGTERM is passed on: each
 drains its own requests, and this one waits for the others before it stops the engine.
 Prometheus counters are kept per process in a shared folder and summed on every scrape
 (prometheus-client's multi-process mode).
@@ -24,6 +25,7 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import time
 
@@ -32,19 +34,32 @@ from .config import ServeConfig
 logger = logging.getLogger("enc2dec.serve")
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
+def bind_socket(host: str, port: int, reuse_port: bool = False, listen: bool = True) -> socket.socket:
+    """``reuse_port``: other processes may bind the same port (SO_REUSEPORT); the kernel then
+    spreads new connections over every listening socket of the group. ``listen=False``: bound
+    only (asyncio listens when the server starts), so no connection is queued before then."""
     family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                       flags=socket.AI_PASSIVE)[0]
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind(addr)
     except OSError:
         sock.close()
         raise
-    sock.listen(2048)         # connect() queues from now on, while the app starts (no "connection refused")
+    if listen:
+        sock.listen(2048)     # connect() queues from now on, while the app starts (no "connection refused")
     sock.set_inheritable(True)
     return sock
+
+
+def _own_sockets() -> bool:
+    """Each API process listens on a socket of its own (SO_REUSEPORT, Linux): the kernel spreads
+    connections evenly by their addresses. One shared socket instead lets whichever process is
+    idle at the moment accept, and a client's keep-alive connections then stay skewed to it."""
+    return hasattr(socket, "SO_REUSEPORT") and sys.platform.startswith("linux")
 
 
 def make_server(app, config: ServeConfig, workers: list | None = None):
@@ -118,8 +133,9 @@ def run_server(config: ServeConfig, llm_args) -> int:
     (its ValueError), 1 when it failed otherwise. Raises ValueError when it cannot listen."""
     from .app import build_app
 
+    own = config.api_processes > 1 and _own_sockets()
     try:
-        sock = bind_socket(config.host, config.port)
+        sock = bind_socket(config.host, config.port, reuse_port=own)
     except OSError as e:
         raise ValueError(f"cannot listen on {config.host}:{config.port}: {e.strerror or e}") from None
     workers, metrics_dir, make_llm = [], None, None
@@ -131,15 +147,21 @@ def run_server(config: ServeConfig, llm_args) -> int:
         metrics_dir = tempfile.mkdtemp(prefix="enc2dec-metrics-")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
         address = new_attach_address()
+        ctx = multiprocessing.get_context("spawn")
+        listen_on = (config.host, sock.getsockname()[1]) if own else sock     # port 0: the one we got
+        started = []
+        for i in range(1, config.api_processes):
+            ready = ctx.Event()
+            w = ctx.Process(target=_api_worker, args=(config, llm_args, address, listen_on, ready),
+                            name=f"api-{i}", daemon=True)
+            w.start()
+            started.append((w, ready))
+        workers = [w for w, _ in started]
 
         def make_llm():
-            return ProcessLLM(llm_args, listen=address)
-
-        ctx = multiprocessing.get_context("spawn")
-        for i in range(1, config.api_processes):
-            w = ctx.Process(target=_api_worker, args=(config, llm_args, address, sock), name=f"api-{i}", daemon=True)
-            w.start()
-            workers.append(w)
+            llm = ProcessLLM(llm_args, listen=address)
+            _wait_for_workers(started)
+            return llm
     app = build_app(config, llm_args=llm_args, make_llm=make_llm)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
@@ -163,20 +185,54 @@ def run_server(config: ServeConfig, llm_args) -> int:
     return 0
 
 
-def _api_worker(config: ServeConfig, llm_args, address, sock) -> None:
-    """One more API process: the same app over an attached client of the engine process."""
+def _api_worker(config: ServeConfig, llm_args, address, listen_on, ready) -> None:
+    """One more API process: the same app over an attached client of the engine process. It
+    takes connections only once attached (its own socket listens from then on), and says so
+    through ``ready``: the first process turns healthy after every other one has."""
+    import threading
+
     from enc2dec.engine.engine_process import ProcessLLM
 
     from .app import build_app
 
     _worker_logging(config.log_level)
-    app = build_app(config, llm_args=llm_args, make_llm=lambda: ProcessLLM.attach(address, llm_args))
+    if isinstance(listen_on, tuple):
+        sock = bind_socket(*listen_on, reuse_port=True, listen=False)
+    else:
+        sock = listen_on
+    try:
+        llm = ProcessLLM.attach(address, llm_args)      # waits until the engine has loaded
+    except Exception as e:  # noqa: BLE001 - the first process reports the engine's own failure
+        logger.error("API process %d: cannot attach to the engine: %s", os.getpid(), e)
+        raise SystemExit(1) from None
+    app = build_app(config, llm_args=llm_args, make_llm=lambda: llm)
     server = make_server(app, config)
+
+    def tell_when_serving():
+        while not server.should_exit:
+            if server.started and app.state.front.state == "ready":
+                ready.set()
+                return
+            time.sleep(0.02)
+    threading.Thread(target=tell_when_serving, daemon=True).start()
     try:
         server.run(sockets=[sock])
     finally:
         sock.close()
     raise SystemExit(1 if server.drain_incomplete else 0)
+
+
+def _wait_for_workers(workers, timeout_s: float = 120.0) -> None:
+    """Until every other API process serves (or has exited), so that clients which wait for
+    /health never find a process that is still attaching."""
+    deadline = time.monotonic() + timeout_s
+    for w, ready in workers:
+        while not ready.wait(0.1):
+            if w.exitcode is not None:
+                break
+            if time.monotonic() > deadline:
+                logger.warning("API process %s did not start within %g s; serving without it", w.name, timeout_s)
+                break
 
 
 def _worker_logging(level: str) -> None:
