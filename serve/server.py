@@ -133,6 +133,8 @@ def run_server(config: ServeConfig, llm_args) -> int:
     (its ValueError), 1 when it failed otherwise. Raises ValueError when it cannot listen."""
     from .app import build_app
 
+    if os.environ.get("ENC2DEC_SWITCH_INTERVAL_S"):      # lab knob (spawned API processes inherit it)
+        sys.setswitchinterval(float(os.environ["ENC2DEC_SWITCH_INTERVAL_S"]))
     own = config.api_processes > 1 and _own_sockets()
     try:
         sock = bind_socket(config.host, config.port, reuse_port=own)
@@ -151,10 +153,12 @@ def run_server(config: ServeConfig, llm_args) -> int:
         listen_on = (config.host, sock.getsockname()[1]) if own else sock     # port 0: the one we got
         started = []
         for i in range(1, config.api_processes):
-            ready = ctx.Event()
-            w = ctx.Process(target=_api_worker, args=(config, llm_args, address, listen_on, ready),
+            # A pipe, not an Event: no semaphore for the resource tracker to find left over.
+            ready, tell = ctx.Pipe(duplex=False)
+            w = ctx.Process(target=_api_worker, args=(config, llm_args, address, listen_on, tell),
                             name=f"api-{i}", daemon=True)
             w.start()
+            tell.close()
             started.append((w, ready))
         workers = [w for w, _ in started]
 
@@ -196,6 +200,8 @@ def _api_worker(config: ServeConfig, llm_args, address, listen_on, ready) -> Non
     from .app import build_app
 
     _worker_logging(config.log_level)
+    if os.environ.get("ENC2DEC_SWITCH_INTERVAL_S"):
+        sys.setswitchinterval(float(os.environ["ENC2DEC_SWITCH_INTERVAL_S"]))
     if isinstance(listen_on, tuple):
         sock = bind_socket(*listen_on, reuse_port=True, listen=False)
     else:
@@ -211,7 +217,8 @@ def _api_worker(config: ServeConfig, llm_args, address, listen_on, ready) -> Non
     def tell_when_serving():
         while not server.should_exit:
             if server.started and app.state.front.state == "ready":
-                ready.set()
+                ready.send(True)
+                ready.close()
                 return
             time.sleep(0.02)
     threading.Thread(target=tell_when_serving, daemon=True).start()
@@ -227,12 +234,13 @@ def _wait_for_workers(workers, timeout_s: float = 120.0) -> None:
     /health never find a process that is still attaching."""
     deadline = time.monotonic() + timeout_s
     for w, ready in workers:
-        while not ready.wait(0.1):
+        while not ready.poll(0.1):
             if w.exitcode is not None:
                 break
             if time.monotonic() > deadline:
                 logger.warning("API process %s did not start within %g s; serving without it", w.name, timeout_s)
                 break
+        ready.close()
 
 
 def _worker_logging(level: str) -> None:

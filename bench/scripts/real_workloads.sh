@@ -82,7 +82,7 @@ serve_bench() {  # serve_bench N: enc2dec serve with N API processes in the back
   local api=$1 port=$((${PORT:-8765} + $1)) t0=$SECONDS
   if [ "$(left)" -lt 60 ]; then echo "serve: skipped (budget spent)"; echo http-stream-a$api >>"$WORK/skipped.txt"; return; fi
   echo "enc2dec serve $T5L --load-format dummy --dtype $DT --max-batch-size $C --port $port --api-processes $api" >>"$WORK/commands.txt"
-  python -m enc2dec.cli.main serve "$T5L" --load-format dummy --dtype "$DT" --max-batch-size "$C" \
+  env ${SERVE_ENV:-} python -m enc2dec.cli.main serve "$T5L" --load-format dummy --dtype "$DT" --max-batch-size "$C" \
       --host 127.0.0.1 --port "$port" --log-level warning --api-processes "$api" >"$WORK/serve-a$api.log" 2>&1 &
   local pid=$!
   if python - "$port" "${SERVE_WAIT_S:-150}" "$pid" <<'PY'
@@ -107,7 +107,7 @@ PY
     sleep 2                      # the other API processes attach just after the first reports healthy
     # bench's default client processes (one per 16 streams): one Python client would itself cap
     # the figure near 20k tok/s (bench/http_shards.py).
-    run http-stream-a$api $LIMIT --url "http://127.0.0.1:$port" --streaming --quiet --warmup 1 $TXT \
+    run http-stream-a$api${SERVE_TAG:-} $LIMIT --url "http://127.0.0.1:$port" --streaming --quiet --warmup 1 $TXT \
         --concurrency "$C" --num-requests "$NUM"
   else
     echo "serve: not healthy within ${SERVE_WAIT_S:-150} s; last lines of serve-a$api.log:"; tail -5 "$WORK/serve-a$api.log"
