@@ -64,11 +64,12 @@ def serve(
                                                   "config key engine_process), so the HTTP side never "
                                                   "shares a GIL with the step loop.", E,
                                                   "--engine-process/--no-engine-process")] = None,
-    api_processes: Annotated[int, option("HTTP processes over the one engine process (vLLM's --api-server-count): "
-                                         "each parses requests and streams tokens on its own core, sharing the "
-                                         "port. One Python process carries about 20-30k streamed tokens/s; use 2-4 "
-                                         "when a GPU decodes faster than that. Needs the engine process; not with "
-                                         "--dp-size or --ray-address.", S)] = 1,
+    api_processes: Annotated[OptInt, option("HTTP processes over the one engine process (vLLM's --api-server-count): "
+                                            "each parses requests and streams tokens on its own core, sharing the "
+                                            "port; one carries about 20k streamed tokens/s. Default auto: with a "
+                                            "GPU engine a quarter of the cores, at most 4; on the CPU 1. More than "
+                                            "1 needs the engine process; not with --dp-size or --ray-address.",
+                                            S)] = None,
     host: Annotated[str, option("Address to listen on (0.0.0.0 for every interface).", S)] = "127.0.0.1",
     port: Annotated[int, option("Port (0 picks a free one; the log names it).", S)] = 8000,
     api_key: Annotated[OptStr, option("Require 'Authorization: Bearer KEY' on every endpoint but /health.", S,
@@ -136,7 +137,7 @@ def serve(
         typer.echo("error: --dp-size with --ray-address: Ray Serve runs the replicas there (--ray-replicas or "
                    "--ray-autoscaling); use one or the other", err=True)
         raise typer.Exit(2)
-    if cfg.api_processes > 1:
+    if cfg.api_processes is not None and cfg.api_processes > 1:
         why = ("it needs the engine in its own process (drop --no-engine-process)" if not llm_args.engine_process
                else "not with --dp-size yet" if llm_args.data_parallel_size > 1
                else "not with --ray-address (Ray Serve runs its own HTTP proxy)" if ray_address else None)

@@ -33,7 +33,7 @@ class ServeConfig:
     keep_alive_s: float = 5.0               # an idle keep-alive connection is closed after this
     allowed_origins: tuple[str, ...] = ()   # CORS: browser origins allowed to call the API (off when empty)
     log_level: str = "info"
-    api_processes: int = 1                  # HTTP processes over the one engine process (--api-processes)
+    api_processes: int | None = None        # HTTP processes over the one engine process; None: auto (server.py)
 
     def __post_init__(self):
         if not self.model:
@@ -46,10 +46,12 @@ class ServeConfig:
             raise ValueError(f"--port must be in [0, 65535] (0 picks a free port), got {self.port!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("--api-key must not be empty")
-        for name, lo in (("max_queue", 1), ("max_upload_bytes", 1), ("retry_after_s", 0), ("api_processes", 1)):
+        for name, lo in (("max_queue", 1), ("max_upload_bytes", 1), ("retry_after_s", 0)):
             value = getattr(self, name)
             if not isinstance(value, int) or value < lo:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {lo}, got {value!r}")
+        if self.api_processes is not None and (not isinstance(self.api_processes, int) or self.api_processes < 1):
+            raise ValueError(f"--api-processes must be an integer >= 1, got {self.api_processes!r}")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise ValueError(f"--max-prompt-tokens must be >= 1, got {self.max_prompt_tokens}")
         if not 0 < self.max_audio_s:

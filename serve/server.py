@@ -133,15 +133,16 @@ def run_server(config: ServeConfig, llm_args) -> int:
     (its ValueError), 1 when it failed otherwise. Raises ValueError when it cannot listen."""
     from .app import build_app
 
-    if os.environ.get("ENC2DEC_SWITCH_INTERVAL_S"):      # lab knob (spawned API processes inherit it)
-        sys.setswitchinterval(float(os.environ["ENC2DEC_SWITCH_INTERVAL_S"]))
-    own = config.api_processes > 1 and _own_sockets()
+    fixed = config.api_processes
+    auto = fixed is None and llm_args.engine_process and llm_args.data_parallel_size == 1
+    multi = auto or (fixed or 1) > 1
+    own = multi and _own_sockets()
     try:
         sock = bind_socket(config.host, config.port, reuse_port=own)
     except OSError as e:
         raise ValueError(f"cannot listen on {config.host}:{config.port}: {e.strerror or e}") from None
     workers, metrics_dir, make_llm = [], None, None
-    if config.api_processes > 1:
+    if multi:
         from enc2dec.engine.engine_process import ProcessLLM, new_attach_address
 
         # Before prometheus_client is imported anywhere: it picks its multi-process mode then,
@@ -151,26 +152,36 @@ def run_server(config: ServeConfig, llm_args) -> int:
         address = new_attach_address()
         ctx = multiprocessing.get_context("spawn")
         listen_on = (config.host, sock.getsockname()[1]) if own else sock     # port 0: the one we got
-        started = []
-        for i in range(1, config.api_processes):
-            # A pipe, not an Event: no semaphore for the resource tracker to find left over.
-            ready, tell = ctx.Pipe(duplex=False)
-            w = ctx.Process(target=_api_worker, args=(config, llm_args, address, listen_on, tell),
-                            name=f"api-{i}", daemon=True)
-            w.start()
-            tell.close()
-            started.append((w, ready))
-        workers = [w for w, _ in started]
+        started: list = []
+
+        def spawn(num: int) -> None:
+            for i in range(1, num):
+                # A pipe, not an Event: no semaphore for the resource tracker to find left over.
+                ready, tell = ctx.Pipe(duplex=False)
+                w = ctx.Process(target=_api_worker, args=(config, llm_args, address, listen_on, tell),
+                                name=f"api-{i}", daemon=True)
+                w.start()
+                tell.close()
+                started.append((w, ready))
+                workers.append(w)          # the list make_server holds: it sees them from now on
+
+        if not auto:
+            spawn(fixed)
 
         def make_llm():
             llm = ProcessLLM(llm_args, listen=address)
+            if auto and app.state.front.state == "loading":    # sized by the device the engine came up on
+                num = auto_api_processes(llm.engine.device)
+                logger.info("enc2dec serve: %d API process%s (--api-processes auto)", num, "es" * (num > 1))
+                spawn(num)
             _wait_for_workers(started)
             return llm
+
     app = build_app(config, llm_args=llm_args, make_llm=make_llm)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     logger.info("enc2dec serve: listening on http://%s:%d (model %s loading%s)", shown, port, config.model,
-                f"; {config.api_processes} API processes" if workers else "")
+                f"; {fixed} API processes" if workers else "")
     server = make_server(app, config, workers)
     try:
         server.run(sockets=[sock])
@@ -189,6 +200,19 @@ def run_server(config: ServeConfig, llm_args) -> int:
     return 0
 
 
+def auto_api_processes(device) -> int:
+    """--api-processes auto: a GPU engine streams far more tokens than one Python process can
+    format (about 20k/s each), so a quarter of the cores, at most 4; a CPU engine is the
+    limit itself, and its cores are better left to it."""
+    if getattr(device, "type", str(device)) != "cuda":
+        return 1
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return max(1, min(4, cores // 4))
+
+
 def _api_worker(config: ServeConfig, llm_args, address, listen_on, ready) -> None:
     """One more API process: the same app over an attached client of the engine process. It
     takes connections only once attached (its own socket listens from then on), and says so
@@ -200,8 +224,6 @@ def _api_worker(config: ServeConfig, llm_args, address, listen_on, ready) -> Non
     from .app import build_app
 
     _worker_logging(config.log_level)
-    if os.environ.get("ENC2DEC_SWITCH_INTERVAL_S"):
-        sys.setswitchinterval(float(os.environ["ENC2DEC_SWITCH_INTERVAL_S"]))
     if isinstance(listen_on, tuple):
         sock = bind_socket(*listen_on, reuse_port=True, listen=False)
     else:

@@ -128,3 +128,17 @@ def test_api_processes_need_the_engine_process():
     assert r.exit_code == 2 and "engine in its own process" in r.output
     r = CliRunner().invoke(app, ["serve", "google/flan-t5-small", "--api-processes", "0"])
     assert r.exit_code == 2 and "--api-processes must be an integer >= 1" in r.output
+
+
+def test_auto_api_processes_follow_the_engines_device_and_the_cores(monkeypatch):
+    import torch
+
+    from enc2dec.serve import server
+
+    monkeypatch.setattr(server.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert server.auto_api_processes(torch.device("cuda", 0)) == 4      # a GPU host of 16 cores
+    assert server.auto_api_processes(torch.device("cpu")) == 1          # the CPU engine needs its cores
+    monkeypatch.setattr(server.os, "sched_getaffinity", lambda pid: set(range(6)), raising=False)
+    assert server.auto_api_processes(torch.device("cuda", 0)) == 1
+    monkeypatch.setattr(server.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    assert server.auto_api_processes(torch.device("cuda", 0)) == 4
