@@ -5,7 +5,7 @@
 #   whisper  whisper-large-v3 30 s / 96 tokens at C=64: plain, --timestamps, --detect-language, and
 #            63 plain requests beside one timestamped (--timestamps-every 64)
 #   serve    enc2dec serve flan-t5-large (dummy, loopback, in the background, waited for /health) with
-#            --api-processes 1 and 4 (SERVE_API), each + enc2dec bench --url --streaming at C=64,
+#            serve's default (auto) and --api-processes 1 (SERVE_API), each + bench --url --streaming at C=64,
 #            against sampled's greedy in-process figure
 #   fast     whisper-large-v3-turbo at C=64 and flan-t5-base at C=256, each against hf-compile
 #            (turbo: the first of the two only)
@@ -79,11 +79,13 @@ run() {  # run NAME LIMIT ARGS...: one enc2dec bench, skipped when the budget is
 }
 
 serve_bench() {  # serve_bench N: enc2dec serve with N API processes in the background, bench --url --streaming, stop
-  local api=$1 port=$((${PORT:-8765} + $1)) t0=$SECONDS
+  SERVE_N=$((${SERVE_N:-0} + 1))
+  local api=$1 port=$((${PORT:-8765} + SERVE_N)) t0=$SECONDS flag="--api-processes $1"
+  [ "$api" = auto ] && flag=""           # serve's default
   if [ "$(left)" -lt 60 ]; then echo "serve: skipped (budget spent)"; echo http-stream-a$api >>"$WORK/skipped.txt"; return; fi
-  echo "enc2dec serve $T5L --load-format dummy --dtype $DT --max-batch-size $C --port $port --api-processes $api" >>"$WORK/commands.txt"
+  echo "enc2dec serve $T5L --load-format dummy --dtype $DT --max-batch-size $C --port $port $flag" >>"$WORK/commands.txt"
   env ${SERVE_ENV:-} python -m enc2dec.cli.main serve "$T5L" --load-format dummy --dtype "$DT" --max-batch-size "$C" \
-      --host 127.0.0.1 --port "$port" --log-level warning --api-processes "$api" >"$WORK/serve-a$api.log" 2>&1 &
+      --host 127.0.0.1 --port "$port" --log-level warning $flag >"$WORK/serve-a$api.log" 2>&1 &
   local pid=$!
   if python - "$port" "${SERVE_WAIT_S:-150}" "$pid" <<'PY'
 import os, sys, time, urllib.request
@@ -134,7 +136,7 @@ for section in $SECTIONS; do
     run wh-timestamps $LIMIT $WHRUN --timestamps
     run wh-detect $LIMIT $WHRUN --detect-language
     run wh-mixed $LIMIT $WHRUN --timestamps-every $MIX ;;
-  serve) for a in ${SERVE_API:-1 4}; do serve_bench "$a"; done ;;
+  serve) for a in ${SERVE_API:-auto 1}; do serve_bench "$a"; done ;;
   fp8)
     run wh-fp8 $LIMIT $WHRUN --kv-cache-dtype fp8
     run t5-fp8 $LIMIT $T5RUN --kv-cache-dtype fp8 ;;
@@ -196,6 +198,7 @@ rows = [
     ("serve stream / in-process, 1 API process", ratio(level("http-stream-a1"), level("t5-greedy")), 0.90),
     ("  --api-processes 2", ratio(level("http-stream-a2"), level("t5-greedy")), 0.90),
     ("  --api-processes 4", ratio(level("http-stream-a4"), level("t5-greedy")), 0.90),
+    ("  --api-processes auto (the default)", ratio(level("http-stream-aauto"), level("t5-greedy")), 0.90),
     ("whisper fp8 KV / bf16 KV", ratio(level("wh-fp8"), level("wh-plain")), 12000 / 9000),
     ("t5 fp8 KV / bf16 KV", ratio(level("t5-fp8"), level("t5-greedy")), 1.0),
 ]
