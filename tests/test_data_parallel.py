@@ -203,3 +203,33 @@ def test_dp_size_with_a_ray_address_is_a_usage_error(t5_relu):
     assert r.exit_code == 2 and "--dp-size with --ray-address" in r.output
     r = CliRunner().invoke(app, ["serve", t5_relu, "--dp-size", "0"])
     assert r.exit_code == 2 and "data_parallel_size must be an integer >= 1" in r.output
+
+
+@pytest.mark.real
+def test_transcribe_with_dp_size_2_writes_the_same_text_as_one_engine(real_whisper, tmp_path, monkeypatch):
+    """The real whisper-tiny.en over the LibriVox clips: two CPU replicas share the files, and
+    each file's text is as one engine writes it."""
+    from enc2dec.cli.main import app
+    from typer.testing import CliRunner
+
+    routed = []
+    real_shutdown = DataParallelLLM.shutdown
+
+    def shutdown(self):
+        if not routed:
+            routed.extend(_routed(self))
+        real_shutdown(self)
+    monkeypatch.setattr(DataParallelLLM, "shutdown", shutdown)
+
+    rows = [json.loads(line) for line in open(real_whisper.manifest)][:4]
+    clips = [str(real_whisper.manifest.parent / row["audio"]) for row in rows]
+    texts = {}
+    for dp in ("1", "2"):
+        out = tmp_path / f"dp{dp}"
+        r = CliRunner().invoke(app, ["transcribe", *clips, "--model", str(real_whisper.tiny_en), "-f", "txt",
+                                     "-o", str(out), "--dp-size", dp])
+        assert r.exit_code == 0, r.output
+        texts[dp] = {p.name: p.read_text() for p in sorted(out.glob("*.txt"))}
+    assert len(texts["1"]) == len(clips) and all(texts["1"].values())
+    assert texts["2"] == texts["1"]
+    assert len(routed) == 2 and min(routed) >= 1          # both replicas decoded windows
