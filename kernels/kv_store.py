@@ -3,17 +3,12 @@
 A negative slot marks a padded token (CUDA-graph batches are padded to a captured size)
 and writes nothing; the check is a store mask, so the launch needs no host sync. An FP8
 pool (``kv_scales`` given) stores each (token, head) row as e4m3 over its own float16
-scale, amax / 448, exactly as ``reference.quantize_fp8_ref``. Anchored keys (see
-``reference``) off row 0 store their difference to the block's anchor: the anchor's program
-may run in this same launch, so a program whose anchor token is in the launch (the token
-``in_page`` places before it holds the block's first slot) quantises that token's key
-itself, with the same arithmetic, instead of reading the pool; otherwise the anchor was
-stored by an earlier launch and is read back.
+scale, amax / 448, exactly as ``reference.quantize_fp8_ref``.
 """
 from __future__ import annotations
 
 from . import can_use_triton, lazy_jit
-from .reference import fp8_scales, store_kv_ref
+from .reference import store_kv_ref
 
 tl = None  # triton.language, bound by lazy_jit at the first launch (annotations stay strings)
 
@@ -25,7 +20,6 @@ def _store_kv_kernel(
     stride_kn, stride_kh, stride_vn, stride_vh,
     stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch, stride_sb, stride_st,
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
-    ANCHORED: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)   # N x row stride can pass 2**31 (encoder batches)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)            # [BLOCK_H]
@@ -44,26 +38,7 @@ def _store_kv_kernel(
         # scale tensors [num_blocks, tokens_per_block, heads], heads contiguous
         dst_s = page * stride_sb + in_page * stride_st + offs_h
         mask_s = (slot >= 0) & (offs_h < num_heads)
-        kf = k.to(tl.float32)
-        if ANCHORED:
-            # the block's anchor: this launch's token in_page places back if it holds the
-            # block's first slot (the same quantisation as its own program stores), else row 0
-            a_tok = tl.maximum(tok - in_page, 0)
-            a_slot = tl.load(slot_ptr + a_tok)
-            a_here = (tok >= in_page) & (a_slot == slot - in_page)
-            a_back = (tok < in_page) | (a_slot != slot - in_page)
-            mask_a = mask & (in_page > 0)
-            raw = tl.load(k_ptr + a_tok * stride_kn + offs_h[:, None] * stride_kh + offs_d[None, :],
-                          mask=mask_a & a_here, other=0.0).to(tl.float32)
-            q_a, s_a = _quantize_fp8(raw, mask_a & a_here)
-            fresh = q_a.to(tl.float32) * s_a.to(tl.float32)[:, None]
-            row0 = tl.load(k_cache_ptr + page * stride_kcb + offs_h[:, None] * stride_kch + offs_d[None, :],
-                           mask=mask_a & a_back, other=0.0).to(tl.float32)
-            s0 = tl.load(k_scale_ptr + page * stride_sb + offs_h, mask=mask_s & (in_page > 0) & a_back,
-                         other=0.0).to(tl.float32)
-            anchor = tl.where(a_here, fresh, row0 * s0[:, None])
-            kf = tl.where(in_page > 0, kf - anchor, kf)
-        _store_fp8(kf, dst_k, k_scale_ptr + dst_s, mask, mask_s)
+        _store_fp8(k.to(tl.float32), dst_k, k_scale_ptr + dst_s, mask, mask_s)
         _store_fp8(v.to(tl.float32), dst_v, v_scale_ptr + dst_s, mask, mask_s)
     else:
         tl.store(dst_k, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
@@ -71,21 +46,15 @@ def _store_kv_kernel(
 
 
 @lazy_jit.helper
-def _quantize_fp8(x, mask):
-    # x [BLOCK_H, BLOCK_D] fp32 -> (e4m3 values, float16 scale per head row), the scale rounded
-    # to float16 first so that values * stored scale is what the row holds.
+def _store_fp8(x, dst, dst_scale, mask, mask_s):
+    # x [BLOCK_H, BLOCK_D] fp32 (masked lanes 0): one scale per head row, rounded to the
+    # stored float16 first so that values * stored scale is what the row holds.
     # 448 and 2**-14: reference.FP8_MAX and FP8_MIN_SCALE (a jit function reads no globals)
     amax = tl.max(tl.abs(tl.where(mask, x, 0.0)), axis=1)                     # [BLOCK_H]
-    scale = tl.maximum(amax / 448.0, 6.103515625e-05).to(tl.float16)
+    scale = tl.maximum(amax / 448.0, 6.103515625e-05).to(dst_scale.dtype.element_ty)
     scaled = x / scale.to(tl.float32)[:, None]
     scaled = tl.minimum(tl.maximum(scaled, -448.0), 448.0)
-    return scaled.to(tl.float8e4nv), scale
-
-
-@lazy_jit.helper
-def _store_fp8(x, dst, dst_scale, mask, mask_s):
-    q, scale = _quantize_fp8(x, mask)
-    tl.store(dst, q, mask=mask)
+    tl.store(dst, scaled.to(dst.dtype.element_ty), mask=mask)
     tl.store(dst_scale, scale, mask=mask_s)
 
 
@@ -95,8 +64,7 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, kv_scales=None) -> None:
     ``slot_mapping [N]`` (int64): slot ``s`` is block ``s // tokens_per_block``, offset
     ``s % tokens_per_block``; ``s < 0`` skips the token. ``k``/``v`` may be strided views
     (e.g. slices of a fused QKV output) as long as ``head_dim`` is contiguous. ``kv_scales``:
-    (k_scale, v_scale) [num_blocks, tokens_per_block, H] float16 of an FP8 pool, plus True
-    when its keys are anchored (``reference.store_kv_ref``).
+    (k_scale, v_scale) [num_blocks, tokens_per_block, H] float16 of an FP8 pool.
     """
     if not can_use_triton(k, v, k_cache, v_cache, slot_mapping):
         return store_kv_ref(k, v, k_cache, v_cache, slot_mapping, kv_scales)
@@ -109,9 +77,7 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, kv_scales=None) -> None:
     block_h = min(1 << (num_heads - 1).bit_length(), max(1, 4096 // block_d))
     grid = (num_tokens, (num_heads + block_h - 1) // block_h)
     fp8 = kv_scales is not None
-    k_scale, v_scale, anchored = fp8_scales(kv_scales)
-    if not fp8:
-        k_scale, v_scale = k_cache, v_cache                                      # unused pointers
+    k_scale, v_scale = kv_scales if fp8 else (k_cache, v_cache)               # unused pointers
     if fp8:
         assert k_scale.shape == v_scale.shape == k_cache.shape[:3] and k_scale.stride() == v_scale.stride()
         assert k_scale.stride(2) == 1
@@ -121,6 +87,6 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, kv_scales=None) -> None:
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
-        HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, FP8=fp8, ANCHORED=anchored, num_warps=4,
+        HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, FP8=fp8, num_warps=4,
     )
     return None

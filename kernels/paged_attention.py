@@ -13,9 +13,7 @@ partial softmaxes.
 Scores are ``scale * q.k + bias[h, q_pos - k_pos]`` in fp32 (exp2 with log2(e) folded
 in); inputs fp32/fp16/bf16, or an FP8 pool (e4m3 with a float16 scale per position and
 head, ``kv_scales``): a key's score and a value's weight are multiplied by its scale, so
-the math stays fp32 and the read is half of bf16's. Anchored keys (``reference``) add
-``q . anchor`` of the key's block to every score off its row 0: a second row read per key,
-row 0 of few blocks, so mostly from cache. Tokens with no keys (padding past
+the math stays fp32 and the read is half of bf16's. Tokens with no keys (padding past
 ``qsl[S]``, empty sequences) get zeros.
 """
 from __future__ import annotations
@@ -26,7 +24,7 @@ import math
 import torch
 
 from . import can_use_triton, lazy_jit
-from .reference import fp8_scales, paged_attention_ref
+from .reference import paged_attention_ref
 
 tl = None  # triton.language, bound by lazy_jit at the first launch (annotations stay strings)
 
@@ -51,7 +49,7 @@ def _paged_attention_kernel(
     stride_bt, stride_bias_h, stride_sb, stride_st,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     TOKENS_PER_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, FP8: tl.constexpr, ANCHORED: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, FP8: tl.constexpr,
 ):
     tok = tl.program_id(0)
     head = tl.program_id(1)
@@ -105,13 +103,6 @@ def _paged_attention_kernel(
         if FP8:
             s_off = page * stride_sb + in_page * stride_st + head
             s *= tl.load(k_scale_ptr + s_off, mask=mask_n, other=0.0).to(tl.float32)
-        if ANCHORED:
-            # keys off row 0 are stored less their block's anchor (row 0): add q . anchor back
-            mask_a = mask_n & (in_page > 0)
-            a_off = page * stride_kb + head * stride_kh                      # [BLOCK_N]
-            a = tl.load(k_ptr + a_off[:, None] + offs_d[None, :], mask=mask_a[:, None] & mask_d[None, :], other=0.0)
-            a_scale = tl.load(k_scale_ptr + page * stride_sb + head, mask=mask_a, other=0.0).to(tl.float32)
-            s += tl.sum(a.to(tl.float32) * q[None, :], axis=1) * a_scale
         if HAS_BIAS:
             rel = tl.minimum(tl.maximum(q_pos - offs_n, 0), bias_len - 1)
             b = tl.load(bias_ptr + head * stride_bias_h + rel, mask=mask_n, other=0.0)
@@ -209,7 +200,7 @@ def pick_num_splits(num_tokens: int, num_heads: int, max_kv_len: int, device: to
 def paged_attention(q, k_cache, v_cache, query_start_loc, kv_lens, block_tables, scale: float, *,
                     causal: bool, bias_table: torch.Tensor | None = None,
                     out: torch.Tensor | None = None, num_splits: int | None = None,
-                    kv_scales: tuple | None = None) -> torch.Tensor:
+                    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Attention of packed queries over paged K/V; returns ``out`` ``[N, H, D]`` (q's dtype).
 
     q: [N, H, D]; k_cache, v_cache: [num_blocks, tokens_per_block, H, D];
@@ -218,8 +209,7 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, kv_lens, block_tables,
     ``clamp(q_pos - k_pos, 0, L - 1)`` (the T5 decoder table; meant for causal use).
     ``num_splits`` None picks by occupancy from the block-table width (callers with
     host-side lengths pass ``pick_num_splits(...)``); results do not depend on it.
-    ``kv_scales``: (k_scale, v_scale) [num_blocks, tokens_per_block, H] float16 of an FP8 pool,
-    plus True when its keys are anchored.
+    ``kv_scales``: (k_scale, v_scale) [num_blocks, tokens_per_block, H] float16 of an FP8 pool.
     """
     if not can_use_triton(q, k_cache, v_cache, block_tables):
         return paged_attention_ref(q, k_cache, v_cache, query_start_loc, kv_lens, block_tables, scale,
@@ -240,9 +230,7 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, kv_lens, block_tables,
     block_d = _next_pow2(head_dim)
     block_n, num_warps, num_stages = launch_config(block_d, k_cache.element_size())
     fp8 = kv_scales is not None
-    k_scale, v_scale, anchored = fp8_scales(kv_scales)
-    if not fp8:
-        k_scale, v_scale = q, q                                              # dummy pointers
+    k_scale, v_scale = kv_scales if fp8 else (q, q)                          # q: dummy pointers
     if fp8:
         assert k_scale.shape == v_scale.shape == k_cache.shape[:3] and k_scale.stride() == v_scale.stride()
         assert k_scale.stride(2) == 1
@@ -269,8 +257,7 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, kv_lens, block_tables,
         block_tables.stride(0), bias.stride(0) if has_bias else 0,
         k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, TOKENS_PER_BLOCK=tokens_per_block,
-        NUM_SPLITS=num_splits, CAUSAL=causal, HAS_BIAS=has_bias, FP8=fp8, ANCHORED=anchored,
-        num_warps=num_warps,
+        NUM_SPLITS=num_splits, CAUSAL=causal, HAS_BIAS=has_bias, FP8=fp8, num_warps=num_warps,
         num_stages=num_stages,
     )
     if num_splits > 1:

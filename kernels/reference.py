@@ -21,14 +21,6 @@ def token_seq_index(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Ten
 # FP8 KV cache (kv_cache_config.dtype="fp8"): e4m3 values with one float16 scale per stored
 # position and head (its amax / 448), so every row uses the whole e4m3 range whatever the
 # layer's activations; dequantised as value * scale. Scale tensors: [num_blocks, tokens_per_block, heads].
-#
-# Anchored keys (the self pools): row 0 of every block holds its key as above, the block's
-# anchor; every other row holds its key minus the anchor as it dequantises, so a key is read
-# back as anchor + row. Decoder keys of one sequence share a large common part (in the tiny
-# T5 checkpoints each key's mean over its block is 25-48x its spread about that mean), which
-# a plain row spends e4m3's 3 mantissa bits on; a residual spends them on what differs between
-# positions. Only anchor rows keep a plain row's error. ``kv_scales`` of such a pool is
-# (k_scale, v_scale, True); (k_scale, v_scale) is a plain pool.
 FP8_MAX = 448.0
 FP8_SCALE_DTYPE = torch.float16
 FP8_MIN_SCALE = 2.0 ** -14      # float16's smallest normal: all-zero rows still divide safely
@@ -47,22 +39,6 @@ def dequantize_ref(cache: torch.Tensor, scale: torch.Tensor | None) -> torch.Ten
     return cache.float() if scale is None else cache.float() * scale.float()[..., None]
 
 
-def fp8_scales(kv_scales) -> tuple[torch.Tensor | None, torch.Tensor | None, bool]:
-    """(k_scale, v_scale, keys anchored) of a backend's ``kv_scales`` (None: a pool in the model's dtype)."""
-    if kv_scales is None:
-        return None, None, False
-    return kv_scales[0], kv_scales[1], len(kv_scales) > 2 and bool(kv_scales[2])
-
-
-def dequantize_keys_ref(k_cache: torch.Tensor, k_scale: torch.Tensor, pages: torch.Tensor,
-                        in_page: torch.Tensor) -> torch.Tensor:
-    """Anchored keys at (pages, in_page) as float32: their row plus their block's anchor (row 0),
-    the anchor alone at row 0."""
-    rows = dequantize_ref(k_cache[pages, in_page], k_scale[pages, in_page])
-    anchor = dequantize_ref(k_cache[pages, 0], k_scale[pages, 0])
-    return rows + anchor * (in_page > 0).to(rows.dtype)[..., None, None]
-
-
 def paged_attention_ref(q, k_cache, v_cache, query_start_loc, kv_lens, block_tables, scale: float, *,
                         causal: bool, bias_table: torch.Tensor | None = None,
                         out: torch.Tensor | None = None, num_splits: int | None = None,
@@ -70,8 +46,7 @@ def paged_attention_ref(q, k_cache, v_cache, query_start_loc, kv_lens, block_tab
     """Attention of packed queries over paged K/V (see ``paged_attention.paged_attention``).
 
     ``num_splits`` only steers the kernel's split-K and is ignored here. ``kv_scales``:
-    (k_scale, v_scale) [num_blocks, tokens_per_block, H] of an FP8 pool, plus True when its
-    keys are anchored.
+    (k_scale, v_scale) [num_blocks, tokens_per_block, H] of an FP8 pool.
     """
     num_tokens = q.shape[0]                                                 # q: [N, H, D]
     num_seqs = kv_lens.shape[0]
@@ -87,11 +62,8 @@ def paged_attention_ref(q, k_cache, v_cache, query_start_loc, kv_lens, block_tab
     k_pos = torch.arange(block_tables.shape[1] * tokens_per_block, device=q.device)  # [K]
     pages = block_tables.long()[seq][:, k_pos // tokens_per_block]          # [N, K]
     in_page = k_pos % tokens_per_block
-    k_scale, v_scale, anchored = fp8_scales(kv_scales)
-    if anchored:
-        k = dequantize_keys_ref(k_cache, k_scale, pages, in_page)                                     # [N, K, H, D]
-    else:
-        k = dequantize_ref(k_cache[pages, in_page], None if k_scale is None else k_scale[pages, in_page])
+    k_scale, v_scale = kv_scales if kv_scales is not None else (None, None)
+    k = dequantize_ref(k_cache[pages, in_page], None if k_scale is None else k_scale[pages, in_page])   # [N, K, H, D]
     v = dequantize_ref(v_cache[pages, in_page], None if v_scale is None else v_scale[pages, in_page])
     scores = torch.einsum("nhd,nkhd->nhk", q.float(), k) * scale            # [N, H, K]
     if bias_table is not None:
@@ -108,33 +80,17 @@ def paged_attention_ref(q, k_cache, v_cache, query_start_loc, kv_lens, block_tab
 
 
 def store_kv_ref(k, v, k_cache, v_cache, slot_mapping,
-                 kv_scales: tuple | None = None) -> None:
+                 kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Write ``k, v [N, H, D]`` into cache slots; a negative slot (padding) is skipped. With
-    ``kv_scales`` (an FP8 pool's scale tensors) each row is stored quantised; anchored keys
-    (off row 0 of a block) as their difference to the block's anchor, which is either stored
-    by this same call or already in the pool."""
+    ``kv_scales`` (an FP8 pool's scale tensors) each row is stored quantised."""
     keep = slot_mapping >= 0                                                # [N]
     slots = slot_mapping[keep].long()
-    k_scale, v_scale, anchored = fp8_scales(kv_scales)
-    for x, cache, sc in zip((k, v), (k_cache, v_cache), (k_scale, v_scale)):
+    for x, cache, sc in zip((k, v), (k_cache, v_cache), kv_scales or (None, None)):
         x = x[keep]
-        if sc is None:
-            _rows(cache).index_copy_(0, slots, _raw(x.to(cache.dtype)))
-            continue
-        if anchored and cache is k_cache:
-            tpb = cache.shape[1]
-            is_anchor = slots % tpb == 0
-            _store_fp8_rows(x[is_anchor], cache, sc, slots[is_anchor])     # anchors first: the rest read them
-            first = slots - slots % tpb
-            anchor = dequantize_ref(_rows(cache)[first].view(cache.dtype), sc.view(-1, sc.shape[-1])[first])
-            x = torch.where(is_anchor[:, None, None], x.float(), x.float() - anchor)
-        _store_fp8_rows(x, cache, sc, slots)
-
-
-def _store_fp8_rows(x, cache, sc, slots) -> None:
-    q, row_scale = quantize_fp8_ref(x)                                      # [n, H, D], [n, H]
-    sc.view(-1, sc.shape[-1]).index_copy_(0, slots, row_scale)
-    _rows(cache).index_copy_(0, slots, _raw(q))
+        if sc is not None:
+            x, row_scale = quantize_fp8_ref(x)                              # [n, H, D], [n, H]
+            sc.view(-1, sc.shape[-1]).index_copy_(0, slots, row_scale)
+        _rows(cache).index_copy_(0, slots, _raw(x.to(cache.dtype)))
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:

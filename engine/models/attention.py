@@ -8,8 +8,7 @@ themselves:
     backend.self_attention(q, k_cache, v_cache, meta, scale, bias_table, kv_scales)   # causal, paged
     backend.cross_attention(q, k_cache, v_cache, meta, scale, kv_scales)    # over the request's encoder K/V
 
-``kv_scales`` is None, or an FP8 pool's (k_scale, v_scale), plus True for a self pool's
-anchored keys (``LayerKV.scales``; ``kernels/reference.py`` describes both).
+``kv_scales`` is None, or an FP8 pool's (k_scale, v_scale) (``LayerKV.scales``).
 
 Cache layout, per layer and per pool: ``[num_blocks, tokens_per_block, num_heads, head_dim]``
 (FP8 pools add float16 scales ``[num_blocks, tokens_per_block, num_heads]``).
@@ -76,14 +75,11 @@ class LayerKV:
     # FP8 pools: the float16 scale of every stored (position, head) row, [num_blocks, tokens_per_block, num_heads]
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
-    anchored_keys: bool = False       # FP8 keys stored less their block's first key (self pools)
 
     @property
-    def scales(self) -> tuple | None:
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """What the backends take as ``kv_scales``: None for a pool in the model's dtype."""
-        if self.k_scale is None:
-            return None
-        return (self.k_scale, self.v_scale, True) if self.anchored_keys else (self.k_scale, self.v_scale)
+        return None if self.k_scale is None else (self.k_scale, self.v_scale)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor indexed by block (what a block copy must copy)."""
@@ -104,20 +100,19 @@ class KVCache:
     @staticmethod
     def allocate(num_layers: int, num_heads: int, head_dim: int, tokens_per_block: int,
                  num_self_blocks: int, num_cross_blocks: int, dtype, device, fp8: bool = False) -> "KVCache":
-        """``fp8``: e4m3 pools with float16 scales (``kv_cache_config.dtype="fp8"``), else ``dtype``;
-        the self pools' keys anchored (cross keys are centred per sequence instead, ``EncoderSegments``)."""
+        """``fp8``: e4m3 pools with float16 scales (``kv_cache_config.dtype="fp8"``), else ``dtype``."""
         from enc2dec.kernels.reference import FP8_SCALE_DTYPE
 
-        def layer(n, anchored=False):
+        def layer(n):
             shape = (n, tokens_per_block, num_heads, head_dim)
             if not fp8:
                 return LayerKV(torch.zeros(shape, dtype=dtype, device=device),
                                torch.zeros(shape, dtype=dtype, device=device))
             k, v = (torch.zeros(shape, dtype=torch.float8_e4m3fn, device=device) for _ in range(2))
             k_scale, v_scale = (torch.zeros(shape[:3], dtype=FP8_SCALE_DTYPE, device=device) for _ in range(2))
-            return LayerKV(k, v, k_scale, v_scale, anchored)
+            return LayerKV(k, v, k_scale, v_scale)
 
-        return KVCache([layer(num_self_blocks, anchored=True) for _ in range(num_layers)],
+        return KVCache([layer(num_self_blocks) for _ in range(num_layers)],
                        [layer(num_cross_blocks) for _ in range(num_layers)])
 
 
