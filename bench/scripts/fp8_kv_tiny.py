@@ -18,8 +18,9 @@ one Triton kernel reads both).
 * at every attention call of the FP8 run, the scores' and outputs' error against the same call
   over unquantised (bf16) copies of the pools;
 * other row formats over the same per-(position, head) scales, emulated (float32 pools holding
-  what each format dequantises to, cross keys centred as for FP8): bf16 itself (the centring's
-  rounding alone), e4m3 (today's FP8, checks the emulation) and int8.
+  what each format dequantises to, cross keys centred as for FP8): float32 (no rounding: the
+  runs' common truth), bf16 itself (the centring's rounding alone), e4m3 (today's FP8, checks
+  the emulation) and int8.
 
     python bench/scripts/fp8_kv_tiny.py [--families flan_t5 bart] [--prompts 40] [--diagnose]
 """
@@ -123,7 +124,7 @@ def _int8(x):
     return (xf / scale).round().clamp(-127, 127) * scale
 
 
-EMULATED = {"bf16": lambda x: x.to("cpu").bfloat16().float(), "e4m3": _e4m3, "int8": _int8}
+EMULATED = {"fp32": lambda x: x.float(), "bf16": lambda x: x.bfloat16().float(), "e4m3": _e4m3, "int8": _int8}
 
 
 def _emulate(runner, fmt) -> None:
@@ -268,14 +269,18 @@ def diagnose(path: str, prompts: list[dict], ids_bf16, lps_bf16, num_layers: int
     for pool in ("self", "cross"):
         for i in range(num_layers):
             pools[f"{pool}[{i}]_only"] = {(pool, i)}
-    # against bf16 pools read by the reference: the same attention arithmetic throughout
-    rep["emulated_vs_bf16_read_by_reference"] = {name: same_first(ids_ref, decode(path, prompts, emulate=name)[0])
-                                                 for name in EMULATED}
+    # against bf16 pools read by the reference (the same attention arithmetic throughout), and
+    # against float32 pools: which of two runs that differ is nearer the unrounded cache
+    emulated = {name: decode(path, prompts, emulate=name)[0] for name in EMULATED}
+    rep["emulated_vs_bf16_read_by_reference"] = {name: same_first(ids_ref, ids) for name, ids in emulated.items()}
+    rep["vs_fp32_pools"] = {name: same_first(emulated["fp32"], ids) for name, ids in emulated.items() if name != "fp32"}
+    rep["vs_fp32_pools"]["bf16_pools_read_by_reference"] = same_first(emulated["fp32"], ids_ref)
     rep["fp8_in"] = {}
     for name, only in pools.items():
         ids, _, _ = decode(path, prompts, fp8=True, only=only)
         rep["fp8_in"][name] = same_first(ids_bf16, ids)
     ids_fp8, _, probe = decode(path, prompts, fp8=True, probe=ScoreProbe)
+    rep["vs_fp32_pools"]["fp8_pools"] = same_first(emulated["fp32"], ids_fp8)
     rep["attention_error_per_pool"] = probe.summary()
     marg = margins(lps_bf16)
     every = [m for row in marg for m in row]
