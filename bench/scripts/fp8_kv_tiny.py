@@ -20,7 +20,7 @@ one Triton kernel reads both).
 * other row formats over the same per-(position, head) scales, emulated (float32 pools holding
   what each format dequantises to, cross keys centred as for FP8): float32 (no rounding: the
   runs' common truth), bf16 itself (the centring's rounding alone), e4m3 (today's FP8, checks
-  the emulation) and int8.
+  the emulation), e4m3 in the keys only or the values only, and int8.
 
     python bench/scripts/fp8_kv_tiny.py [--families flan_t5 bart] [--prompts 40] [--diagnose]
 """
@@ -124,7 +124,17 @@ def _int8(x):
     return (xf / scale).round().clamp(-127, 127) * scale
 
 
-EMULATED = {"fp32": lambda x: x.float(), "bf16": lambda x: x.bfloat16().float(), "e4m3": _e4m3, "int8": _int8}
+def _bf16(x):
+    return x.bfloat16().float()
+
+
+def _fp32(x):
+    return x.float()
+
+
+# name -> (key format, value format)
+EMULATED = {"fp32": (_fp32, _fp32), "bf16": (_bf16, _bf16), "e4m3": (_e4m3, _e4m3), "int8": (_int8, _int8),
+            "e4m3_keys_only": (_e4m3, _bf16), "e4m3_values_only": (_bf16, _e4m3)}
 
 
 def _emulate(runner, fmt) -> None:
@@ -139,7 +149,9 @@ def _emulate(runner, fmt) -> None:
             ones = torch.ones(lkv.k_scale.shape, dtype=lkv.k_scale.dtype)
             layers[i] = LayerKV(torch.zeros(lkv.k.shape), torch.zeros(lkv.v.shape), ones, ones.clone())
     _read_through_reference(runner.backend)
-    runner.backend.store_kv = lambda k, v, kc, vc, slots, kv_scales=None: store_kv_ref(fmt(k), fmt(v), kc, vc, slots)
+    k_fmt, v_fmt = fmt
+    runner.backend.store_kv = lambda k, v, kc, vc, slots, kv_scales=None: store_kv_ref(
+        k_fmt(k), v_fmt(v), kc, vc, slots)
 
 
 def _scores(q, k_cache, kv_scales, qsl, kv_lens, block_tables, scale, causal, bias_table):
