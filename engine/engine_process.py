@@ -28,6 +28,7 @@ requests aborted; only the first client (the one that spawned the engine) stops 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import dataclasses
 import itertools
@@ -94,18 +95,59 @@ def _stats(llm) -> dict:
 
 # ---- child side ---------------------------------------------------------------------------------
 class _ChildSender:
-    """Turns the in-process LLM's outputs into deltas against what the parent already has."""
+    """Turns the in-process LLM's outputs into deltas against what the parent already has, and
+    writes messages to one client in order.
+
+    A step's output message is pickled and written by a thread of its own (``send_later``):
+    the step loop only builds the deltas, and the pickling and the pipe write run while the
+    step loop waits for the GPU (its synchronize releases the GIL). Every other message
+    (``send``) is pickled at once, so an unpicklable reply still fails its caller, and is
+    written after everything queued before it."""
 
     def __init__(self, conn):
         self.conn = conn
-        self.lock = threading.Lock()
         self.sent: dict[str, list[list]] = {}     # request id -> per completion [num ids, text, num logprobs]
         self.num_token_times: dict[str, int] = {}
+        self._cv = threading.Condition()
+        self._pending: collections.deque = collections.deque()
+        self._busy = False                         # the writer thread holds a message
+        self._writer: threading.Thread | None = None
 
     def send(self, msg) -> None:
         data = _dumps(msg)
-        with self.lock:
+        with self._cv:
+            while self._pending or self._busy:
+                self._cv.wait()
             self.conn.send_bytes(data)
+
+    def send_later(self, msg) -> None:
+        with self._cv:
+            self._pending.append(msg)
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_queued, daemon=True, name="enc2dec-engine-send")
+                self._writer.start()
+            self._cv.notify_all()
+
+    def flush(self) -> None:
+        with self._cv:
+            while self._pending or self._busy:
+                self._cv.wait()
+
+    def _write_queued(self) -> None:
+        while True:
+            with self._cv:
+                while not self._pending:
+                    self._cv.wait()
+                msg = self._pending.popleft()
+                self._busy = True
+            try:
+                self.conn.send_bytes(_dumps(msg))
+            except (OSError, ValueError):
+                pass                # the client is gone: its command thread sees EOF and forgets it
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
 
     def deltas(self, outputs) -> list:
         out = []
@@ -172,7 +214,7 @@ class _Clients:
     def deliver(self, outputs, stats) -> None:
         senders = self.senders
         if len(senders) == 1:
-            senders[0].send(("out", senders[0].deltas(outputs), stats))
+            senders[0].send_later(("out", senders[0].deltas(outputs), stats))
             return
         first, groups = senders[0], {}
         for ro in outputs:
@@ -183,10 +225,7 @@ class _Clients:
         # Every client gets the step's counters (its admission reads them), with or without outputs.
         for sender in senders:
             group = groups.get(id(sender))
-            try:
-                sender.send(("out", sender.deltas(group[1]) if group else [], stats))
-            except OSError:
-                pass                # a client that went away; its command thread forgets it
+            sender.send_later(("out", sender.deltas(group[1]) if group else [], stats))
 
     def broadcast(self, msg) -> None:
         for sender in self.senders:
