@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import logging
 from dataclasses import dataclass
 
@@ -15,7 +14,7 @@ import torch
 
 from enc2dec.engine.models.attention import DecoderMetadata, EncoderMetadata, KVCache, get_attention_backend
 from enc2dec.engine.models.cpu_linear import packed_cpu_linear_available, use_packed_cpu_linear
-from enc2dec.engine.core.batch import BeamCandidate, ModelRunnerOutput, SampledToken, ScheduledEncode, ScheduledSeq, SchedulerOutput
+from enc2dec.engine.core.batch import BeamCandidate, ModelRunnerOutput, ScheduledEncode, ScheduledSeq, SchedulerOutput
 from enc2dec.engine.core.block_manager import slot_ids
 from enc2dec.engine.parallel.distributed import SINGLE, TensorParallelGroup
 from enc2dec.engine.runner.cpu_threads import on_fresh_thread
@@ -49,13 +48,9 @@ class PendingStep:
         beams = {rid: [BeamCandidate(seq_ids[parent], token, score, logprob)
                        for parent, token, score, logprob in cands]
                  for (rid, seq_ids), cands in zip(self.beam_groups, out.beams or [])}
-        # One object per row every step (256 rows: the largest item of the host path), so the
-        # columns a step has are zipped once rather than tested per row.
-        logprobs = out.logprobs if out.logprobs is not None else itertools.repeat(0.0)
-        tops = out.top_logprobs if out.top_logprobs is not None else itertools.repeat(None)
-        sampled = dict(zip(self.seq_ids, map(SampledToken, out.token_ids, logprobs, tops)))
-        return ModelRunnerOutput(sampled, beams,
-                                 {self.seq_ids[row]: lps for row, lps in (out.prefix_logprobs or {}).items()})
+        prefix = {self.seq_ids[row]: lps for row, lps in (out.prefix_logprobs or {}).items()}
+        return ModelRunnerOutput(beams=beams, prefix_logprobs=prefix, token_ids=out.token_ids,
+                                 logprobs=out.logprobs, top_logprobs=out.top_logprobs)
 
 
 def _prefix_logprobs(model, seqs: list[ScheduledSeq], states: list[SeqSamplingState], logits: torch.Tensor,
