@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
+import operator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from enc2dec.engine.models.attention import DecoderMetadata, EncoderMetadata, KVCache, get_attention_backend
@@ -18,6 +21,7 @@ from enc2dec.engine.core.batch import BeamCandidate, ModelRunnerOutput, Schedule
 from enc2dec.engine.core.block_manager import slot_ids
 from enc2dec.engine.parallel.distributed import SINGLE, TensorParallelGroup
 from enc2dec.engine.runner.cpu_threads import on_fresh_thread
+from enc2dec.engine.runner.cuda_graph import scatter_rows
 from enc2dec.engine.runner.fast_linear import skinny_linear_enabled, use_skinny_linear
 from enc2dec.engine.runner.fast_norms import use_triton_norms
 from enc2dec.engine.runner.host_to_device import to_device
@@ -28,6 +32,12 @@ from enc2dec.engine.runner.sampler import BeamGroup, DeviceSample, Sampler, SeqS
 from enc2dec.engine.runner.sampling_ops import stream_key
 
 logger = logging.getLogger("enc2dec")
+
+# Per-row fields read with map(): one C-level pass over the batch instead of a Python loop per row.
+_SEQ_ID = operator.attrgetter("seq_id")
+_INPUTS, _START = operator.attrgetter("input_token_ids"), operator.attrgetter("start_pos")
+_BLOCKS, _CROSS = operator.attrgetter("block_ids"), operator.attrgetter("cross_block_ids")
+_ENC_LEN, _LAST = operator.attrgetter("encoder_len"), operator.itemgetter(-1)
 
 
 @dataclass
@@ -97,9 +107,11 @@ def _beam_groups(seqs: list[ScheduledSeq], states: list[SeqSamplingState]):
     return groups, ids
 
 
-def _pad_table(tables: list[list[int]]) -> list[list[int]]:
-    width = max(1, max(len(t) for t in tables))
-    return [t + [0] * (width - len(t)) for t in tables]
+def _pad_table(tables: list[list[int]]) -> np.ndarray:
+    """The rows as one int32 table, each padded with 0 to the longest (at least 1 wide)."""
+    table = np.zeros((len(tables), max(1, max(map(len, tables), default=0))), np.int32)
+    scatter_rows(table, tables)
+    return table
 
 
 class ModelRunner:
@@ -147,6 +159,7 @@ class ModelRunner:
                                    fp8=args.kv_cache_config.dtype == "fp8")
         self.sampler = Sampler()
         self.states: dict[str, dict[int, SeqSamplingState]] = {}
+        self._state_of: dict[int, SeqSamplingState] = {}  # seq_id -> state, for the seqs _register named
         self._prev_tokens: torch.Tensor | None = None     # last step's samples, on the device
         self._prev_rows: dict[int, int] = {}              # seq_id -> row in _prev_tokens
         self.graphs = self._maybe_capture(attn_backend, max_input_len)
@@ -264,7 +277,10 @@ class ModelRunner:
         the placeholder token (overlap mode) reads its token from the previous step's samples,
         which never leave the GPU for that purpose."""
         for rid in so.finished_request_ids:
-            self.sampler.release(self.states.pop(rid, None) or ())
+            per_seq = self.states.pop(rid, None) or ()
+            for seq_id in per_seq:
+                self._state_of.pop(seq_id, None)
+            self.sampler.release(per_seq)
         if so.block_copies:
             self._copy_blocks(so.block_copies)     # before any attention reads or writes them; never in a graph
         if so.encodes:
@@ -272,7 +288,8 @@ class ModelRunner:
             self._run_encoder(so.encodes)
         if not so.seqs:
             return PendingStep([], None)
-        fill = self._placeholder_sources(so.seqs)
+        seq_ids = list(map(_SEQ_ID, so.seqs))
+        fill = self._placeholder_sources(so.seqs, seq_ids)
         hidden = None
         if self._can_replay(so):
             logits = self.graphs.run(so.seqs, fill, self._prev_tokens)                               # [S, vocab]
@@ -280,7 +297,9 @@ class ModelRunner:
             input_ids, positions, meta = self._prepare_decode(so.seqs, fill)
             hidden = self.model.decode(input_ids, positions, meta, self.kv)       # [N, d_model]
             logits = self.model.compute_logits(hidden[meta.last_token_indices])    # [S, vocab]
-        states = [self._sampling_state(s) for s in so.seqs]
+        states = list(map(self._state_of.get, seq_ids))
+        if None in states:          # forked beams share their request's state; a TP worker has none
+            states = [st if st is not None else self._sampling_state(s) for st, s in zip(states, so.seqs)]
         if all_plain_greedy(states):       # no beams, no prefix log-probs, nothing reads the rows' ids
             sample, beam_ids = self.sampler.sample(logits, states, []), []
         else:
@@ -291,13 +310,13 @@ class ModelRunner:
                                          [s.output_token_ids for s in so.seqs], [s.seq_id for s in so.seqs])
             sample.prefix_rows, sample.prefix_vals = _prefix_logprobs(self.model, so.seqs, states, logits, hidden)
         self._prev_tokens = sample.token_ids                                       # [S] stays on device
-        self._prev_rows = {s.seq_id: i for i, s in enumerate(so.seqs)}
+        self._prev_rows = dict(zip(seq_ids, range(len(seq_ids))))
         event = None
         if self.device.type == "cuda":
             sample = sample.to_host(non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-        return PendingStep([s.seq_id for s in so.seqs], sample, event, beam_ids)
+        return PendingStep(seq_ids, sample, event, beam_ids)
 
     def _can_replay(self, so: SchedulerOutput) -> bool:
         """Whether this step's decoder half replays a graph; a step that also encodes new
@@ -326,15 +345,21 @@ class ModelRunner:
                 rows = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t   # no float8 index_copy_
                 rows.index_copy_(0, dst, rows.index_select(0, src))
 
-    def _placeholder_sources(self, seqs: list[ScheduledSeq]):
-        """(flat token index, row of the previous step's samples) for every placeholder input."""
-        fill, offset, prev_rows = [], 0, self._prev_rows
-        for s in seqs:
-            ids = s.input_token_ids
-            offset += len(ids)
-            if ids[-1] == PLACEHOLDER_TOKEN_ID:
-                fill.append((offset - 1, prev_rows[s.seq_id]))
-        return fill
+    def _placeholder_sources(self, seqs: list[ScheduledSeq], seq_ids: list[int]):
+        """The placeholder inputs as int64 [2, n] (flat token index; row of the previous step's
+        samples), or None when no input is a placeholder."""
+        n = len(seqs)
+        last = np.fromiter(map(_LAST, map(_INPUTS, seqs)), np.int64, n)
+        rows = np.flatnonzero(last == PLACEHOLDER_TOKEN_ID)
+        if not rows.size:
+            return None
+        lens = np.fromiter(map(len, map(_INPUTS, seqs)), np.int64, n)
+        dst = np.cumsum(lens)[rows] - 1
+        src = np.fromiter(map(self._prev_rows.get, seq_ids, itertools.repeat(-1, n)), np.int64, n)[rows]
+        if src.min() < 0:
+            missing = [seq_ids[r] for r in rows[src < 0]]
+            raise KeyError(f"seqs {missing} feed a placeholder but were not in the previous step")
+        return np.stack((dst, src))
 
     def _register(self, encodes: list[ScheduledEncode]) -> None:
         for enc in encodes:
@@ -342,9 +367,10 @@ class ModelRunner:
                 continue
             spec: SeqSamplingState = enc.sampling_params
             seeded = spec.params.seed is not None and not spec.params.is_greedy
-            self.states[enc.request_id] = {
+            per_seq = self.states[enc.request_id] = {
                 seq_id: dataclasses.replace(spec, stream=stream_key(spec.params.seed, index) if seeded else None)
                 for seq_id, index in zip(enc.seq_ids, enc.seq_indices)}
+            self._state_of.update(per_seq)
 
     def _run_encoder(self, encodes: list[ScheduledEncode]) -> None:
         bucket = self.encoder_graphs.pick(encodes) if self.encoder_graphs is not None else None
@@ -384,31 +410,37 @@ class ModelRunner:
             inputs = self.log_mel(inputs)           # [B, n_mels, 3000]
         return inputs.to(self.dtype)
 
-    def _prepare_decode(self, seqs: list[ScheduledSeq], fill=()):
-        dev, tpb = self.device, self.tokens_per_block
-        ids, pos, slots, qsl, last = [], [], [], [0], []
-        for s in seqs:
-            n = s.num_new_tokens
-            ids += s.input_token_ids
-            pos += range(s.start_pos, s.start_pos + n)
-            slots += slot_ids(s.block_ids, s.start_pos, n, tpb)
-            qsl.append(qsl[-1] + n)
-            last.append(qsl[-1] - 1)
+    def _prepare_decode(self, seqs: list[ScheduledSeq], fill: np.ndarray | None = None):
+        # Per sequence, one map() per field read; the rest is numpy (no list per row: at 256 rows
+        # those lists set off a garbage collection every step).
+        dev, tpb, n = self.device, self.tokens_per_block, len(seqs)
         i32, i64 = torch.int32, torch.long
+        lens = np.fromiter(map(len, map(_INPUTS, seqs)), np.int64, n)
+        starts = np.fromiter(map(_START, seqs), np.int64, n)
+        qsl = np.zeros(n + 1, np.int64)
+        np.cumsum(lens, out=qsl[1:])
+        total = int(qsl[-1])
+        ids = np.fromiter(itertools.chain.from_iterable(map(_INPUTS, seqs)), np.int64, total)
+        row = np.repeat(np.arange(n), lens)                      # each new token's sequence
+        pos = starts[row] + np.arange(total) - qsl[:-1][row]
+        seq_lens = starts + lens
+        enc_lens = np.fromiter(map(_ENC_LEN, seqs), np.int64, n)
+        table = _pad_table(list(map(_BLOCKS, seqs)))
+        slots = table[row, pos // tpb].astype(np.int64) * tpb + pos % tpb
         meta = DecoderMetadata(
             query_start_loc=to_device(qsl, i32, dev),
-            seq_lens=to_device([s.seq_len for s in seqs], i32, dev),
-            block_tables=to_device(_pad_table([s.block_ids for s in seqs]), i32, dev),
+            seq_lens=to_device(seq_lens, i32, dev),
+            block_tables=to_device(table, i32, dev),
             slot_mapping=to_device(slots, i64, dev),
-            cross_block_tables=to_device(_pad_table([s.cross_block_ids for s in seqs]), i32, dev),
-            enc_lens=to_device([s.encoder_len for s in seqs], i32, dev),
-            query_lens_host=[s.num_new_tokens for s in seqs],
-            seq_lens_host=[s.seq_len for s in seqs],
-            enc_lens_host=[s.encoder_len for s in seqs],
-            last_token_indices=to_device(last, i64, dev))
+            cross_block_tables=to_device(_pad_table(list(map(_CROSS, seqs))), i32, dev),
+            enc_lens=to_device(enc_lens, i32, dev),
+            query_lens_host=lens.tolist(),
+            seq_lens_host=seq_lens.tolist(),
+            enc_lens_host=enc_lens.tolist(),
+            last_token_indices=to_device(qsl[1:] - 1, i64, dev))
         input_ids = to_device(ids, i64, dev)
-        if fill:
-            dst, src = to_device(fill, i64, dev).t()                       # one copy: [2, n]
+        if fill is not None:
+            dst, src = to_device(fill, i64, dev)                           # one copy: [2, n]
             input_ids[dst] = self._prev_tokens[src]
         positions = to_device(pos, i64, dev)
         return input_ids, positions, meta
