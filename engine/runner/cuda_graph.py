@@ -128,10 +128,10 @@ class DecodeGraphRunner:
         return (set(map(len, map(_INPUTS, seqs))) == {1} and max(map(len, map(_BLOCKS, seqs))) <= self.self_width
                 and max(map(len, map(_CROSS, seqs))) <= self.cross_width)
 
-    def run(self, seqs, fill: np.ndarray | None = None, prev_tokens: torch.Tensor | None = None,
+    def run(self, seqs, fill: list[list[int]] | None = None, prev_tokens: torch.Tensor | None = None,
             replay: bool = True):
-        """Copy the step's inputs into the static buffers and replay; ``fill`` (int64 [2, n]) holds
-        (row, previous-sample row) pairs whose token is taken from ``prev_tokens`` on the device."""
+        """Copy the step's inputs into the static buffers and replay; ``fill`` ([rows, previous-sample
+        rows]) names the rows whose token is taken from ``prev_tokens`` on the device."""
         n = len(seqs)
         host64, host32 = self._staging[self._turn]
         self._turn ^= 1

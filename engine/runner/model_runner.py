@@ -37,7 +37,7 @@ logger = logging.getLogger("enc2dec")
 _SEQ_ID = operator.attrgetter("seq_id")
 _INPUTS, _START = operator.attrgetter("input_token_ids"), operator.attrgetter("start_pos")
 _BLOCKS, _CROSS = operator.attrgetter("block_ids"), operator.attrgetter("cross_block_ids")
-_ENC_LEN, _LAST = operator.attrgetter("encoder_len"), operator.itemgetter(-1)
+_ENC_LEN = operator.attrgetter("encoder_len")
 
 
 @dataclass
@@ -107,11 +107,30 @@ def _beam_groups(seqs: list[ScheduledSeq], states: list[SeqSamplingState]):
     return groups, ids
 
 
-def _pad_table(tables: list[list[int]]) -> np.ndarray:
-    """The rows as one int32 table, each padded with 0 to the longest (at least 1 wide)."""
-    table = np.zeros((len(tables), max(1, max(map(len, tables), default=0))), np.int32)
-    scatter_rows(table, tables)
-    return table
+# Each field of a packed array starts on a 16-byte boundary, as a fresh allocation would: Triton
+# specialises its kernels on pointer alignment, and a field starting mid-line would compile a
+# second variant of every kernel that reads it.
+_ALIGN_BYTES = 16
+
+
+def _offsets(itemsize: int, sizes) -> list[int]:
+    step, offsets, o = _ALIGN_BYTES // itemsize, [], 0
+    for size in sizes:
+        offsets.append(o)
+        o += -(-size // step) * step
+    return offsets + [o]
+
+
+def _packed(dtype, sizes) -> tuple[np.ndarray, list[np.ndarray]]:
+    """One uninitialised array holding fields of ``sizes``, and a view of each field."""
+    offsets = _offsets(np.dtype(dtype).itemsize, sizes)
+    whole = np.empty(offsets[-1], dtype)
+    return whole, [whole[o:o + size] for o, size in zip(offsets, sizes)]
+
+
+def _device_views(whole: torch.Tensor, sizes) -> list[torch.Tensor]:
+    offsets = _offsets(whole.element_size(), sizes)
+    return [whole[o:o + size] for o, size in zip(offsets, sizes)]
 
 
 class ModelRunner:
@@ -289,7 +308,7 @@ class ModelRunner:
         if not so.seqs:
             return PendingStep([], None)
         seq_ids = list(map(_SEQ_ID, so.seqs))
-        fill = self._placeholder_sources(so.seqs, seq_ids)
+        fill = self._placeholder_sources(so.seqs)
         hidden = None
         if self._can_replay(so):
             logits = self.graphs.run(so.seqs, fill, self._prev_tokens)                               # [S, vocab]
@@ -345,21 +364,17 @@ class ModelRunner:
                 rows = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t   # no float8 index_copy_
                 rows.index_copy_(0, dst, rows.index_select(0, src))
 
-    def _placeholder_sources(self, seqs: list[ScheduledSeq], seq_ids: list[int]):
-        """The placeholder inputs as int64 [2, n] (flat token index; row of the previous step's
-        samples), or None when no input is a placeholder."""
-        n = len(seqs)
-        last = np.fromiter(map(_LAST, map(_INPUTS, seqs)), np.int64, n)
-        rows = np.flatnonzero(last == PLACEHOLDER_TOKEN_ID)
-        if not rows.size:
-            return None
-        lens = np.fromiter(map(len, map(_INPUTS, seqs)), np.int64, n)
-        dst = np.cumsum(lens)[rows] - 1
-        src = np.fromiter(map(self._prev_rows.get, seq_ids, itertools.repeat(-1, n)), np.int64, n)[rows]
-        if src.min() < 0:
-            missing = [seq_ids[r] for r in rows[src < 0]]
-            raise KeyError(f"seqs {missing} feed a placeholder but were not in the previous step")
-        return np.stack((dst, src))
+    def _placeholder_sources(self, seqs: list[ScheduledSeq]):
+        """The placeholder inputs as [flat token indices, rows of the previous step's samples]
+        (two lists, one copy to the device), or None when no input is a placeholder."""
+        dst, src, offset, prev_rows = [], [], -1, self._prev_rows
+        for s in seqs:
+            ids = s.input_token_ids
+            offset += len(ids)
+            if ids[-1] == PLACEHOLDER_TOKEN_ID:
+                dst.append(offset)
+                src.append(prev_rows[s.seq_id])
+        return [dst, src] if dst else None
 
     def _register(self, encodes: list[ScheduledEncode]) -> None:
         for enc in encodes:
@@ -410,37 +425,46 @@ class ModelRunner:
             inputs = self.log_mel(inputs)           # [B, n_mels, 3000]
         return inputs.to(self.dtype)
 
-    def _prepare_decode(self, seqs: list[ScheduledSeq], fill: np.ndarray | None = None):
+    def _prepare_decode(self, seqs: list[ScheduledSeq], fill: list[list[int]] | None = None):
         # Per sequence, one map() per field read; the rest is numpy (no list per row: at 256 rows
-        # those lists set off a garbage collection every step).
+        # those lists set off a garbage collection every step). The int64 and the int32 fields
+        # each travel as one array, viewed in parts on the device: two copies, not nine.
         dev, tpb, n = self.device, self.tokens_per_block, len(seqs)
-        i32, i64 = torch.int32, torch.long
         lens = np.fromiter(map(len, map(_INPUTS, seqs)), np.int64, n)
         starts = np.fromiter(map(_START, seqs), np.int64, n)
-        qsl = np.zeros(n + 1, np.int64)
-        np.cumsum(lens, out=qsl[1:])
-        total = int(qsl[-1])
-        ids = np.fromiter(itertools.chain.from_iterable(map(_INPUTS, seqs)), np.int64, total)
-        row = np.repeat(np.arange(n), lens)                      # each new token's sequence
-        pos = starts[row] + np.arange(total) - qsl[:-1][row]
-        seq_lens = starts + lens
-        enc_lens = np.fromiter(map(_ENC_LEN, seqs), np.int64, n)
-        table = _pad_table(list(map(_BLOCKS, seqs)))
-        slots = table[row, pos // tpb].astype(np.int64) * tpb + pos % tpb
+        ends = np.cumsum(lens)
+        total = int(ends[-1])
+        blocks, cross = list(map(_BLOCKS, seqs)), list(map(_CROSS, seqs))
+        width, cross_width = max(1, max(map(len, blocks))), max(1, max(map(len, cross)))
+        a64, (ids, pos, slots, last) = _packed(np.int64, (total, total, total, n))
+        a32, (qsl, seq_lens, enc_lens, table, cross_table) = _packed(
+            np.int32, (n + 1, n, n, n * width, n * cross_width))
+        ids[:] = np.fromiter(itertools.chain.from_iterable(map(_INPUTS, seqs)), np.int64, total)
+        if total == n:                                           # every sequence feeds one token
+            row, pos[:] = np.arange(n), starts
+        else:
+            row = np.repeat(np.arange(n), lens)                  # each new token's sequence
+            pos[:] = starts[row] + np.arange(total) - (ends - lens)[row]
+        qsl[0], qsl[1:] = 0, ends
+        last[:] = ends - 1
+        seq_lens[:] = starts + lens
+        enc_lens[:] = np.fromiter(map(_ENC_LEN, seqs), np.int64, n)
+        table, cross_table = table.reshape(n, width), cross_table.reshape(n, cross_width)
+        table[:] = 0
+        cross_table[:] = 0
+        scatter_rows(table, blocks)
+        scatter_rows(cross_table, cross)
+        slots[:] = table[row, pos // tpb].astype(np.int64) * tpb + pos % tpb
+        d64, d32 = to_device(a64, torch.long, dev), to_device(a32, torch.int32, dev)
+        view64, view32 = _device_views(d64, (total, total, total, n)), \
+            _device_views(d32, (n + 1, n, n, n * width, n * cross_width))
+        input_ids, positions = view64[0], view64[1]
         meta = DecoderMetadata(
-            query_start_loc=to_device(qsl, i32, dev),
-            seq_lens=to_device(seq_lens, i32, dev),
-            block_tables=to_device(table, i32, dev),
-            slot_mapping=to_device(slots, i64, dev),
-            cross_block_tables=to_device(_pad_table(list(map(_CROSS, seqs))), i32, dev),
-            enc_lens=to_device(enc_lens, i32, dev),
-            query_lens_host=lens.tolist(),
-            seq_lens_host=seq_lens.tolist(),
-            enc_lens_host=enc_lens.tolist(),
-            last_token_indices=to_device(qsl[1:] - 1, i64, dev))
-        input_ids = to_device(ids, i64, dev)
+            query_start_loc=view32[0], seq_lens=view32[1], block_tables=view32[3].view(n, width),
+            slot_mapping=view64[2], cross_block_tables=view32[4].view(n, cross_width), enc_lens=view32[2],
+            query_lens_host=lens.tolist(), seq_lens_host=seq_lens.tolist(), enc_lens_host=enc_lens.tolist(),
+            last_token_indices=view64[3])
         if fill is not None:
-            dst, src = to_device(fill, i64, dev)                           # one copy: [2, n]
+            dst, src = to_device(fill, torch.long, dev)                    # one copy: [2, n]
             input_ids[dst] = self._prev_tokens[src]
-        positions = to_device(pos, i64, dev)
         return input_ids, positions, meta
