@@ -93,3 +93,4 @@ def test_no_placeholder_means_no_fill_and_a_missing_source_is_an_error():
                           block_ids=[5], cross_block_ids=[6], encoder_len=2, num_output_tokens=3)
     with pytest.raises(KeyError, match="999"):
         r._placeholder_sources([orphan])
+
