@@ -102,3 +102,10 @@ class ModelRunnerOutput:
     beams: dict[str, list[BeamCandidate]] = field(default_factory=dict)
     # seq_id -> {token id: log-probability} at its SamplingParams.prefix_logprob_position
     prefix_logprobs: dict[int, dict[int, float]] = field(default_factory=dict)
+    # ``sampled`` by row instead, as the model runner returns it: row i is the step's i-th
+    # scheduled sequence. No object per row: at 256 rows those objects set off most of the host
+    # path's garbage collections (about one per step). When set, ``sampled`` is not read.
+    token_ids: list[int] | None = None
+    logprobs: list[float] | None = None                      # of each row's token; None: not asked
+    top_logprobs: list[dict[int, float] | None] | None = None
+

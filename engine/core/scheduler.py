@@ -339,10 +339,11 @@ class Scheduler(BeamScheduling):
         finished: list[Request] = []
         beam_reqs: dict[str, Request] = {}
         live, sampled_of = self._live_seqs, runner_out.sampled
+        by_row, row_logprobs, row_tops = runner_out.token_ids, runner_out.logprobs, runner_out.top_logprobs
         for seq_id, lps in runner_out.prefix_logprobs.items():
             if seq_id in live:
                 live[seq_id][0].prefix_logprobs = lps
-        for scheduled in sched_out.seqs:
+        for row, scheduled in enumerate(sched_out.seqs):
             entry = live.get(scheduled.seq_id)
             if entry is None:
                 continue   # stopped at an earlier step, aborted, or finished meanwhile
@@ -360,15 +361,20 @@ class Scheduler(BeamScheduling):
                 token_ids.append(PLACEHOLDER_TOKEN_ID)
             elif index >= len(token_ids) or token_ids[index] != PLACEHOLDER_TOKEN_ID:
                 continue   # an inner prompt token
-            sampled = sampled_of.get(scheduled.seq_id)
-            assert sampled is not None, f"runner returned no token for seq {scheduled.seq_id}"
-            token_ids[index] = sampled.token_id
-            seq.cumulative_logprob += sampled.logprob
-            if sampled.top_logprobs is not None:
+            if by_row is not None:
+                token_id = by_row[row]
+                logprob = row_logprobs[row] if row_logprobs is not None else 0.0
+                top = row_tops[row] if row_tops is not None else None
+            else:
+                sampled = sampled_of.get(scheduled.seq_id)
+                assert sampled is not None, f"runner returned no token for seq {scheduled.seq_id}"
+                token_id, logprob, top = sampled.token_id, sampled.logprob, sampled.top_logprobs
+            token_ids[index] = token_id
+            seq.cumulative_logprob += logprob
+            if top is not None:
                 if seq.logprobs is None:
                     seq.logprobs = []
-                seq.logprobs.append(sampled.top_logprobs)
-            token_id = sampled.token_id
+                seq.logprobs.append(top)
             if (index + 1 - seq.num_hidden_tokens < req.max_output_tokens and token_id not in req.eos_token_ids
                     and token_id not in req.stop_token_ids):
                 continue        # the common step: check_stop would go on

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import operator
 import time
 
 import numpy as np
@@ -30,6 +31,11 @@ from enc2dec.engine.core.block_manager import slot_ids
 from enc2dec.engine.runner.host_to_device import to_device
 
 logger = logging.getLogger("enc2dec")
+
+# Per-row fields read with map(): one C-level pass over the batch, not a Python loop per row.
+_INPUTS, _START = operator.attrgetter("input_token_ids"), operator.attrgetter("start_pos")
+_BLOCKS, _CROSS = operator.attrgetter("block_ids"), operator.attrgetter("cross_block_ids")
+_ENC_LEN, _FIRST = operator.attrgetter("encoder_len"), operator.itemgetter(0)
 
 
 class DecodeGraphRunner:
@@ -111,25 +117,29 @@ class DecodeGraphRunner:
         return self.model.compute_logits(hidden[meta.last_token_indices])   # [b, vocab]
 
     def _fill_dummy(self) -> None:
-        self.run([], (), None, replay=False)
+        self.run([], None, None, replay=False)
 
     # ---- replay -----------------------------------------------------------------------------
     def can_run(self, seqs) -> bool:
-        return (len(seqs) <= self.max_b and all(s.num_new_tokens == 1 for s in seqs)
-                and all(len(s.block_ids) <= self.self_width and len(s.cross_block_ids) <= self.cross_width
-                        for s in seqs))
+        if len(seqs) > self.max_b:
+            return False
+        if not seqs:
+            return True
+        return (set(map(len, map(_INPUTS, seqs))) == {1} and max(map(len, map(_BLOCKS, seqs))) <= self.self_width
+                and max(map(len, map(_CROSS, seqs))) <= self.cross_width)
 
-    def run(self, seqs, fill=(), prev_tokens: torch.Tensor | None = None, replay: bool = True):
-        """Copy the step's inputs into the static buffers and replay; ``fill`` lists
-        (row, previous-sample row) pairs whose token is taken from ``prev_tokens`` on the device."""
+    def run(self, seqs, fill: list[list[int]] | None = None, prev_tokens: torch.Tensor | None = None,
+            replay: bool = True):
+        """Copy the step's inputs into the static buffers and replay; ``fill`` ([rows, previous-sample
+        rows]) names the rows whose token is taken from ``prev_tokens`` on the device."""
         n = len(seqs)
         host64, host32 = self._staging[self._turn]
         self._turn ^= 1
         fill_staging(host64.numpy(), host32.numpy(), seqs, self.max_b, self.tpb, self.self_width, self.cross_width)
         self._dev64.copy_(host64, non_blocking=True)
         self._dev32.copy_(host32, non_blocking=True)
-        if fill:
-            dst, src = to_device(fill, torch.long, self.device).t()          # one copy: [2, n]
+        if fill is not None:
+            dst, src = to_device(fill, torch.long, self.device)              # one copy: [2, n]
             self._dev64[dst] = prev_tokens[src]
         if not replay:
             return None
@@ -138,9 +148,9 @@ class DecodeGraphRunner:
         return self.logits[b][:n]
 
 
-def _scatter_rows(table: np.ndarray, rows: list[list[int]]) -> None:
+def scatter_rows(table: np.ndarray, rows: list[list[int]]) -> None:
     """table[i, :len(rows[i])] = rows[i] for every i, in a few numpy calls."""
-    lens = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+    lens = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
     total = int(lens.sum())
     if total == 0:
         return
@@ -158,8 +168,9 @@ def fill_staging(h64: np.ndarray, h32: np.ndarray, seqs, B: int, tpb: int, self_
     h32 (int32): query_start_loc (B + 1) | seq_lens (B) | enc_lens (B) | self block table
     (B x self_width) | cross block table (B x cross_width). Rows past ``len(seqs)`` are
     padding: slot -1 (write nowhere), one key and one encoder position, block 0.
-    Vectorised: per-sequence Python is one list comprehension per field, which matters at
-    large batch where the host must stay ahead of a ~2 ms GPU step.
+    Every sequence feeds one token (``can_run``). Vectorised: the per-sequence work is one
+    map() per field read, the rest numpy, which matters at large batch where the host must
+    stay ahead of a ~2 ms GPU step.
     """
     n = len(seqs)
     h64[:] = 0
@@ -172,14 +183,15 @@ def fill_staging(h64: np.ndarray, h32: np.ndarray, seqs, B: int, tpb: int, self_
     h32[o_bt:] = 0
     if n == 0:
         return
-    pos = [s.start_pos for s in seqs]
-    h64[:n] = [s.input_token_ids[0] for s in seqs]
+    pos = np.fromiter(map(_START, seqs), np.int64, n)
+    h64[:n] = np.fromiter(map(_FIRST, map(_INPUTS, seqs)), np.int64, n)
     h64[B:B + n] = pos
-    h64[2 * B:2 * B + n] = [s.block_ids[p // tpb] * tpb + p % tpb for s, p in zip(seqs, pos)]
-    h32[B + 1:B + 1 + n] = [s.seq_len for s in seqs]
-    h32[2 * B + 1:2 * B + 1 + n] = [s.encoder_len for s in seqs]
-    _scatter_rows(h32[o_bt:o_cbt].reshape(B, self_width), [s.block_ids for s in seqs])
-    _scatter_rows(h32[o_cbt:o_cbt + B * cross_width].reshape(B, cross_width), [s.cross_block_ids for s in seqs])
+    h32[B + 1:B + 1 + n] = pos + 1                    # seq_len: one token fed
+    h32[2 * B + 1:2 * B + 1 + n] = np.fromiter(map(_ENC_LEN, seqs), np.int64, n)
+    bt = h32[o_bt:o_cbt].reshape(B, self_width)
+    scatter_rows(bt, list(map(_BLOCKS, seqs)))
+    scatter_rows(h32[o_cbt:o_cbt + B * cross_width].reshape(B, cross_width), list(map(_CROSS, seqs)))
+    h64[2 * B:2 * B + n] = bt[np.arange(n), pos // tpb].astype(np.int64) * tpb + pos % tpb   # self slots
 
 
 def uniform_encoder_batch(batch: int, length: int, device: torch.device, dtype: torch.dtype,

@@ -9,16 +9,19 @@ import dataclasses
 import functools
 import itertools
 import logging
+import operator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from enc2dec.engine.models.attention import DecoderMetadata, EncoderMetadata, KVCache, get_attention_backend
 from enc2dec.engine.models.cpu_linear import packed_cpu_linear_available, use_packed_cpu_linear
-from enc2dec.engine.core.batch import BeamCandidate, ModelRunnerOutput, SampledToken, ScheduledEncode, ScheduledSeq, SchedulerOutput
+from enc2dec.engine.core.batch import BeamCandidate, ModelRunnerOutput, ScheduledEncode, ScheduledSeq, SchedulerOutput
 from enc2dec.engine.core.block_manager import slot_ids
 from enc2dec.engine.parallel.distributed import SINGLE, TensorParallelGroup
 from enc2dec.engine.runner.cpu_threads import on_fresh_thread
+from enc2dec.engine.runner.cuda_graph import scatter_rows
 from enc2dec.engine.runner.fast_linear import skinny_linear_enabled, use_skinny_linear
 from enc2dec.engine.runner.fast_norms import use_triton_norms
 from enc2dec.engine.runner.host_to_device import to_device
@@ -29,6 +32,12 @@ from enc2dec.engine.runner.sampler import BeamGroup, DeviceSample, Sampler, SeqS
 from enc2dec.engine.runner.sampling_ops import stream_key
 
 logger = logging.getLogger("enc2dec")
+
+# Per-row fields read with map(): one C-level pass over the batch instead of a Python loop per row.
+_SEQ_ID = operator.attrgetter("seq_id")
+_INPUTS, _START = operator.attrgetter("input_token_ids"), operator.attrgetter("start_pos")
+_BLOCKS, _CROSS = operator.attrgetter("block_ids"), operator.attrgetter("cross_block_ids")
+_ENC_LEN = operator.attrgetter("encoder_len")
 
 
 @dataclass
@@ -49,13 +58,9 @@ class PendingStep:
         beams = {rid: [BeamCandidate(seq_ids[parent], token, score, logprob)
                        for parent, token, score, logprob in cands]
                  for (rid, seq_ids), cands in zip(self.beam_groups, out.beams or [])}
-        # One object per row every step (256 rows: the largest item of the host path), so the
-        # columns a step has are zipped once rather than tested per row.
-        logprobs = out.logprobs if out.logprobs is not None else itertools.repeat(0.0)
-        tops = out.top_logprobs if out.top_logprobs is not None else itertools.repeat(None)
-        sampled = dict(zip(self.seq_ids, map(SampledToken, out.token_ids, logprobs, tops)))
-        return ModelRunnerOutput(sampled, beams,
-                                 {self.seq_ids[row]: lps for row, lps in (out.prefix_logprobs or {}).items()})
+        prefix = {self.seq_ids[row]: lps for row, lps in (out.prefix_logprobs or {}).items()}
+        return ModelRunnerOutput(beams=beams, prefix_logprobs=prefix, token_ids=out.token_ids,
+                                 logprobs=out.logprobs, top_logprobs=out.top_logprobs)
 
 
 def _prefix_logprobs(model, seqs: list[ScheduledSeq], states: list[SeqSamplingState], logits: torch.Tensor,
@@ -102,9 +107,30 @@ def _beam_groups(seqs: list[ScheduledSeq], states: list[SeqSamplingState]):
     return groups, ids
 
 
-def _pad_table(tables: list[list[int]]) -> list[list[int]]:
-    width = max(1, max(len(t) for t in tables))
-    return [t + [0] * (width - len(t)) for t in tables]
+# Each field of a packed array starts on a 16-byte boundary, as a fresh allocation would: Triton
+# specialises its kernels on pointer alignment, and a field starting mid-line would compile a
+# second variant of every kernel that reads it.
+_ALIGN_BYTES = 16
+
+
+def _offsets(itemsize: int, sizes) -> list[int]:
+    step, offsets, o = _ALIGN_BYTES // itemsize, [], 0
+    for size in sizes:
+        offsets.append(o)
+        o += -(-size // step) * step
+    return offsets + [o]
+
+
+def _packed(dtype, sizes) -> tuple[np.ndarray, list[np.ndarray]]:
+    """One uninitialised array holding fields of ``sizes``, and a view of each field."""
+    offsets = _offsets(np.dtype(dtype).itemsize, sizes)
+    whole = np.empty(offsets[-1], dtype)
+    return whole, [whole[o:o + size] for o, size in zip(offsets, sizes)]
+
+
+def _device_views(whole: torch.Tensor, sizes) -> list[torch.Tensor]:
+    offsets = _offsets(whole.element_size(), sizes)
+    return [whole[o:o + size] for o, size in zip(offsets, sizes)]
 
 
 class ModelRunner:
@@ -152,6 +178,7 @@ class ModelRunner:
                                    fp8=args.kv_cache_config.dtype == "fp8")
         self.sampler = Sampler()
         self.states: dict[str, dict[int, SeqSamplingState]] = {}
+        self._state_of: dict[int, SeqSamplingState] = {}  # seq_id -> state, for the seqs _register named
         self._prev_tokens: torch.Tensor | None = None     # last step's samples, on the device
         self._prev_rows: dict[int, int] = {}              # seq_id -> row in _prev_tokens
         self.graphs = self._maybe_capture(attn_backend, max_input_len)
@@ -269,7 +296,10 @@ class ModelRunner:
         the placeholder token (overlap mode) reads its token from the previous step's samples,
         which never leave the GPU for that purpose."""
         for rid in so.finished_request_ids:
-            self.sampler.release(self.states.pop(rid, None) or ())
+            per_seq = self.states.pop(rid, None) or ()
+            for seq_id in per_seq:
+                self._state_of.pop(seq_id, None)
+            self.sampler.release(per_seq)
         if so.block_copies:
             self._copy_blocks(so.block_copies)     # before any attention reads or writes them; never in a graph
         if so.encodes:
@@ -277,6 +307,7 @@ class ModelRunner:
             self._run_encoder(so.encodes)
         if not so.seqs:
             return PendingStep([], None)
+        seq_ids = list(map(_SEQ_ID, so.seqs))
         fill = self._placeholder_sources(so.seqs)
         hidden = None
         if self._can_replay(so):
@@ -285,7 +316,9 @@ class ModelRunner:
             input_ids, positions, meta = self._prepare_decode(so.seqs, fill)
             hidden = self.model.decode(input_ids, positions, meta, self.kv)       # [N, d_model]
             logits = self.model.compute_logits(hidden[meta.last_token_indices])    # [S, vocab]
-        states = [self._sampling_state(s) for s in so.seqs]
+        states = list(map(self._state_of.get, seq_ids))
+        if None in states:          # forked beams share their request's state; a TP worker has none
+            states = [st if st is not None else self._sampling_state(s) for st, s in zip(states, so.seqs)]
         if all_plain_greedy(states):       # no beams, no prefix log-probs, nothing reads the rows' ids
             sample, beam_ids = self.sampler.sample(logits, states, []), []
         else:
@@ -296,13 +329,13 @@ class ModelRunner:
                                          [s.output_token_ids for s in so.seqs], [s.seq_id for s in so.seqs])
             sample.prefix_rows, sample.prefix_vals = _prefix_logprobs(self.model, so.seqs, states, logits, hidden)
         self._prev_tokens = sample.token_ids                                       # [S] stays on device
-        self._prev_rows = {s.seq_id: i for i, s in enumerate(so.seqs)}
+        self._prev_rows = dict(zip(seq_ids, range(len(seq_ids))))
         event = None
         if self.device.type == "cuda":
             sample = sample.to_host(non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-        return PendingStep([s.seq_id for s in so.seqs], sample, event, beam_ids)
+        return PendingStep(seq_ids, sample, event, beam_ids)
 
     def _can_replay(self, so: SchedulerOutput) -> bool:
         """Whether this step's decoder half replays a graph; a step that also encodes new
@@ -332,14 +365,16 @@ class ModelRunner:
                 rows.index_copy_(0, dst, rows.index_select(0, src))
 
     def _placeholder_sources(self, seqs: list[ScheduledSeq]):
-        """(flat token index, row of the previous step's samples) for every placeholder input."""
-        fill, offset, prev_rows = [], 0, self._prev_rows
+        """The placeholder inputs as [flat token indices, rows of the previous step's samples]
+        (two lists, one copy to the device), or None when no input is a placeholder."""
+        dst, src, offset, prev_rows = [], [], -1, self._prev_rows
         for s in seqs:
             ids = s.input_token_ids
             offset += len(ids)
             if ids[-1] == PLACEHOLDER_TOKEN_ID:
-                fill.append((offset - 1, prev_rows[s.seq_id]))
-        return fill
+                dst.append(offset)
+                src.append(prev_rows[s.seq_id])
+        return [dst, src] if dst else None
 
     def _register(self, encodes: list[ScheduledEncode]) -> None:
         for enc in encodes:
@@ -347,9 +382,10 @@ class ModelRunner:
                 continue
             spec: SeqSamplingState = enc.sampling_params
             seeded = spec.params.seed is not None and not spec.params.is_greedy
-            self.states[enc.request_id] = {
+            per_seq = self.states[enc.request_id] = {
                 seq_id: dataclasses.replace(spec, stream=stream_key(spec.params.seed, index) if seeded else None)
                 for seq_id, index in zip(enc.seq_ids, enc.seq_indices)}
+            self._state_of.update(per_seq)
 
     def _run_encoder(self, encodes: list[ScheduledEncode]) -> None:
         bucket = self.encoder_graphs.pick(encodes) if self.encoder_graphs is not None else None
@@ -389,31 +425,46 @@ class ModelRunner:
             inputs = self.log_mel(inputs)           # [B, n_mels, 3000]
         return inputs.to(self.dtype)
 
-    def _prepare_decode(self, seqs: list[ScheduledSeq], fill=()):
-        dev, tpb = self.device, self.tokens_per_block
-        ids, pos, slots, qsl, last = [], [], [], [0], []
-        for s in seqs:
-            n = s.num_new_tokens
-            ids += s.input_token_ids
-            pos += range(s.start_pos, s.start_pos + n)
-            slots += slot_ids(s.block_ids, s.start_pos, n, tpb)
-            qsl.append(qsl[-1] + n)
-            last.append(qsl[-1] - 1)
-        i32, i64 = torch.int32, torch.long
+    def _prepare_decode(self, seqs: list[ScheduledSeq], fill: list[list[int]] | None = None):
+        # Per sequence, one map() per field read; the rest is numpy (no list per row: at 256 rows
+        # those lists set off a garbage collection every step). The int64 and the int32 fields
+        # each travel as one array, viewed in parts on the device: two copies, not nine.
+        dev, tpb, n = self.device, self.tokens_per_block, len(seqs)
+        lens = np.fromiter(map(len, map(_INPUTS, seqs)), np.int64, n)
+        starts = np.fromiter(map(_START, seqs), np.int64, n)
+        ends = np.cumsum(lens)
+        total = int(ends[-1])
+        blocks, cross = list(map(_BLOCKS, seqs)), list(map(_CROSS, seqs))
+        width, cross_width = max(1, max(map(len, blocks))), max(1, max(map(len, cross)))
+        a64, (ids, pos, slots, last) = _packed(np.int64, (total, total, total, n))
+        a32, (qsl, seq_lens, enc_lens, table, cross_table) = _packed(
+            np.int32, (n + 1, n, n, n * width, n * cross_width))
+        ids[:] = np.fromiter(itertools.chain.from_iterable(map(_INPUTS, seqs)), np.int64, total)
+        if total == n:                                           # every sequence feeds one token
+            row, pos[:] = np.arange(n), starts
+        else:
+            row = np.repeat(np.arange(n), lens)                  # each new token's sequence
+            pos[:] = starts[row] + np.arange(total) - (ends - lens)[row]
+        qsl[0], qsl[1:] = 0, ends
+        last[:] = ends - 1
+        seq_lens[:] = starts + lens
+        enc_lens[:] = np.fromiter(map(_ENC_LEN, seqs), np.int64, n)
+        table, cross_table = table.reshape(n, width), cross_table.reshape(n, cross_width)
+        table[:] = 0
+        cross_table[:] = 0
+        scatter_rows(table, blocks)
+        scatter_rows(cross_table, cross)
+        slots[:] = table[row, pos // tpb].astype(np.int64) * tpb + pos % tpb
+        d64, d32 = to_device(a64, torch.long, dev), to_device(a32, torch.int32, dev)
+        view64, view32 = _device_views(d64, (total, total, total, n)), \
+            _device_views(d32, (n + 1, n, n, n * width, n * cross_width))
+        input_ids, positions = view64[0], view64[1]
         meta = DecoderMetadata(
-            query_start_loc=to_device(qsl, i32, dev),
-            seq_lens=to_device([s.seq_len for s in seqs], i32, dev),
-            block_tables=to_device(_pad_table([s.block_ids for s in seqs]), i32, dev),
-            slot_mapping=to_device(slots, i64, dev),
-            cross_block_tables=to_device(_pad_table([s.cross_block_ids for s in seqs]), i32, dev),
-            enc_lens=to_device([s.encoder_len for s in seqs], i32, dev),
-            query_lens_host=[s.num_new_tokens for s in seqs],
-            seq_lens_host=[s.seq_len for s in seqs],
-            enc_lens_host=[s.encoder_len for s in seqs],
-            last_token_indices=to_device(last, i64, dev))
-        input_ids = to_device(ids, i64, dev)
-        if fill:
-            dst, src = to_device(fill, i64, dev).t()                       # one copy: [2, n]
+            query_start_loc=view32[0], seq_lens=view32[1], block_tables=view32[3].view(n, width),
+            slot_mapping=view64[2], cross_block_tables=view32[4].view(n, cross_width), enc_lens=view32[2],
+            query_lens_host=lens.tolist(), seq_lens_host=seq_lens.tolist(), enc_lens_host=enc_lens.tolist(),
+            last_token_indices=view64[3])
+        if fill is not None:
+            dst, src = to_device(fill, torch.long, dev)                    # one copy: [2, n]
             input_ids[dst] = self._prev_tokens[src]
-        positions = to_device(pos, i64, dev)
         return input_ids, positions, meta
