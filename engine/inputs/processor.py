@@ -253,9 +253,8 @@ class InputProcessor:
             # The runner computes features on the GPU for the whole microbatch.
             encoder_input = self.log_mel.pad(wave)                                    # [n_samples]
         else:
-            from enc2dec.engine.whisper.log_mel import cpu_features
-
-            encoder_input = cpu_features(fe, wave, rate)                                # [n_mels, 3000]
+            encoder_input = fe(wave, sampling_rate=rate, return_tensors="np").input_features[0]  # [n_mels, 3000]
+            encoder_input = encoder_input.astype(np.float32)
         prefix = self._whisper_prefix(prompt.get("prompt"), prompt.get("prompt_token_ids"))
         max_out = self._cap_output(max_tokens, len(prefix))
         enc_len = fe.nb_max_frames // 2

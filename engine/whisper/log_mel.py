@@ -11,22 +11,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from enc2dec.engine.runner.cpu_threads import on_fresh_thread
-
-
-def cpu_features(feature_extractor, wave: np.ndarray, rate: int) -> np.ndarray:
-    """transformers' log-mel features of one clip, [n_mels, frames] float32: the CPU engine's
-    encoder input, computed as the reference computes it.
-
-    The extractor runs torch's CPU ops, and every thread that runs them keeps an OpenMP pool
-    for the rest of its life. The caller's thread is not the engine thread, so its pool would
-    be a second one beside the engine's on a machine whose cores one pool fills, and libgomp
-    then sends every worker to sleep between parallel regions (engine/runner/cpu_threads.py):
-    whisper-base's decode steps took ~1.3x as long (docs/benchmarks.md). On a thread that ends
-    with the call, the pool ends with it."""
-    return on_fresh_thread(lambda: feature_extractor(wave, sampling_rate=rate, return_tensors="np")
-                           .input_features[0].astype(np.float32))
-
 
 class LogMel:
     def __init__(self, feature_extractor, device: torch.device):
