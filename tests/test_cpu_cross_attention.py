@@ -1,5 +1,5 @@
 """Decode-step cross-attention of the torch backend (the CPU path) over Whisper-length encoder
-K/V: rows whose runs of cross blocks are evenly spaced take one strided attention call, which
+K/V: rows whose runs of cross blocks are evenly spaced share one strided attention call, which
 must give the per-row loop's result bit for bit (and the reference's to rounding)."""
 import pytest
 import torch
@@ -30,19 +30,21 @@ def _pools(num_blocks: int = 80):
             torch.randn(8, HEADS, DIM, generator=gen))
 
 
-@pytest.mark.parametrize("first_blocks", [
-    [0, 10, 20, 30],            # clips admitted one after another: back-to-back runs
-    [40, 0, 60, 20],            # evenly spaced with gaps, rows not in pool order
-    [12, 12, 12],               # beams of one request share its cross blocks
-    [7],
+@pytest.mark.parametrize("first_blocks, num_calls", [
+    ([0, 10, 20, 30], 1),           # clips admitted one after another: back-to-back runs
+    ([40, 0, 60, 20], 1),           # evenly spaced with gaps, rows not in pool order
+    ([12, 12, 12], 1),              # beams of one request share its cross blocks
+    ([7], 1),
+    ([0, 10, 30, 40, 65], 3),       # uneven: [0, 10], [30, 40], [65]
+    ([30, 30, 0, 0], 2),            # two requests' beams
 ])
-def test_strided_cross_attention_equals_the_per_row_loop(first_blocks):
+def test_strided_cross_attention_equals_the_per_row_loop(first_blocks, num_calls):
     k, v, q_all = _pools()
     meta = _meta(first_blocks)
     q = q_all[:len(first_blocks)]
     backend = TorchAttentionBackend()
     plan = backend._cross_plan(meta, TPB, q.dtype)
-    assert plan["spacing"] is not None                                  # the strided path runs
+    assert len(plan["groups"]) == num_calls
     got = backend.cross_attention(q, k, v, meta, 0.25)
     loop = TorchAttentionBackend._cross_views(q, k, v, meta, 0.25, plan["starts"], TPB)
     assert torch.equal(got, loop)
@@ -51,16 +53,12 @@ def test_strided_cross_attention_equals_the_per_row_loop(first_blocks):
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("first_blocks, enc_lens", [
-    ([0, 10, 30], None),                    # uneven gaps
-    ([0, 10], [ENC_LEN, ENC_LEN - 40]),     # different lengths
-])
-def test_other_layouts_keep_the_per_row_path(first_blocks, enc_lens):
+def test_rows_of_different_lengths_keep_the_per_row_path():
     k, v, q_all = _pools()
-    meta = _meta(first_blocks, enc_lens)
-    q = q_all[:len(first_blocks)]
+    meta = _meta([0, 10], [ENC_LEN, ENC_LEN - 40])
+    q = q_all[:2]
     backend = TorchAttentionBackend()
-    assert backend._cross_plan(meta, TPB, q.dtype)["spacing"] is None
+    assert backend._cross_plan(meta, TPB, q.dtype)["groups"] is None
     got = backend.cross_attention(q, k, v, meta, 0.25)
     ref = paged_attention_ref(q, k, v, meta.query_start_loc, meta.enc_lens, meta.cross_block_tables, 0.25,
                               causal=False)
