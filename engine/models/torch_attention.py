@@ -52,6 +52,24 @@ def _consecutive_starts(tables: list[list[int]], lens: list[int], tpb: int) -> l
     return starts
 
 
+def _spaced_groups(starts: list[int]) -> list[tuple[list[int], int, int]]:
+    """Rows split into groups whose first blocks, in increasing order, step by one gap:
+    (rows, first block, gap) each, greedily along the sorted starts. Beams of one request share
+    their cross blocks (gap 0); clips admitted one after another get back-to-back runs."""
+    groups: list[tuple[list[int], int, int]] = []
+    rows: list[int] = []
+    gap = 0
+    for i in sorted(range(len(starts)), key=starts.__getitem__):
+        if len(rows) >= 2 and starts[i] - starts[rows[-1]] != gap:
+            groups.append((rows, starts[rows[0]], gap))
+            rows = []
+        if len(rows) == 1:
+            gap = starts[i] - starts[rows[0]]
+        rows.append(i)
+    groups.append((rows, starts[rows[0]], gap))
+    return groups
+
+
 class TorchAttentionBackend:
     """Gathers blocks and runs ``scaled_dot_product_attention``; runs anywhere."""
 
@@ -193,6 +211,8 @@ class TorchAttentionBackend:
             step["cross"] = self._cross_plan(meta, tpb, q.dtype)
         plan = step["cross"]
         if plan["starts"] is not None:
+            if step["is_decode"] and plan["groups"] is not None:
+                return self._cross_strided(q, k_cache, v_cache, meta, scale, plan, tpb)
             return self._cross_views(q, k_cache, v_cache, meta, scale, plan["starts"], tpb)
         if not step["is_decode"]:
             return self._cross_loop(q, k_cache, v_cache, meta, scale)
@@ -208,12 +228,44 @@ class TorchAttentionBackend:
         starts = None
         if longest >= VIEW_MIN_KEYS:
             starts = _consecutive_starts(meta.cross_block_tables.tolist(), lens, tpb)
+        groups = None
+        if starts is not None and len(set(lens)) == 1:
+            dev = meta.enc_lens.device
+            groups = [(rows if rows == list(range(rows[0], rows[0] + len(rows))) else torch.tensor(rows, device=dev),
+                       first, gap, len(rows)) for rows, first, gap in _spaced_groups(starts)]
         nb = (longest + tpb - 1) // tpb
         pages = meta.cross_block_tables[:, :nb].long()                                      # [S, nb]
         k_pos = torch.arange(nb * tpb, device=pages.device)
         hidden = (k_pos[None, :] >= meta.enc_lens.long()[:, None])[:, None, None, :]        # [S, 1, 1, K]
         mask = torch.zeros(hidden.shape, dtype=dtype, device=pages.device).masked_fill_(hidden, float("-inf"))
-        return {"starts": starts, "pages": pages, "mask": mask}
+        return {"starts": starts, "pages": pages, "mask": mask, "groups": groups}
+
+    @staticmethod
+    def _cross_strided(q, k_cache, v_cache, meta, scale, plan, tpb) -> torch.Tensor:
+        """A decode step over equal-length encoder K/V: one attention call per group of rows whose
+        runs of the pool start at evenly spaced blocks (``_spaced_groups``; usually one group),
+        each on a strided view [G, H, L, D] of the pool, no copy. Each (row, head) is the same
+        flash computation as the per-row loop's, bit for bit; the loop costs a parallel region
+        per row and layer."""
+        length = meta.enc_lens_host[0]
+        num_seqs, num_heads, head_dim = q.shape
+        row = num_heads * head_dim
+        flats = [c.view(-1, num_heads, head_dim) for c in (k_cache, v_cache)]               # [slots, H, D]
+        out = None
+        for rows, first, gap, size in plan["groups"]:
+            kv = [f.as_strided((size, num_heads, length, head_dim), (gap * tpb * row, head_dim, row, 1),
+                               f.storage_offset() + first * tpb * row).to(q.dtype) for f in flats]   # [G, H, L, D]
+            qg = q[rows[0]:rows[0] + size] if isinstance(rows, list) else q.index_select(0, rows)
+            o = F.scaled_dot_product_attention(qg.unsqueeze(2), kv[0], kv[1], scale=scale).squeeze(2)  # [G, H, D]
+            if size == num_seqs and isinstance(rows, list):
+                return o
+            if out is None:
+                out = torch.empty_like(q)
+            if isinstance(rows, list):
+                out[rows[0]:rows[0] + size] = o
+            else:
+                out.index_copy_(0, rows, o)
+        return out
 
     @staticmethod
     def _cross_views(q, k_cache, v_cache, meta, scale, starts, tpb) -> torch.Tensor:

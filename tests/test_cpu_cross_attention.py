@@ -1,0 +1,65 @@
+"""Decode-step cross-attention of the torch backend (the CPU path) over Whisper-length encoder
+K/V: rows whose runs of cross blocks are evenly spaced share one strided attention call, which
+must give the per-row loop's result bit for bit (and the reference's to rounding)."""
+import pytest
+import torch
+
+from enc2dec.engine.models.attention import DecoderMetadata, TorchAttentionBackend
+from enc2dec.kernels.reference import paged_attention_ref
+
+TPB, HEADS, DIM, ENC_LEN = 32, 4, 16, 300          # 300 positions: 10 blocks, the last one partial
+BLOCKS_PER_ROW = (ENC_LEN + TPB - 1) // TPB
+
+
+def _meta(first_blocks: list[int], enc_lens: list[int] | None = None) -> DecoderMetadata:
+    n = len(first_blocks)
+    enc_lens = enc_lens or [ENC_LEN] * n
+    tables = torch.tensor([[b + i for i in range(BLOCKS_PER_ROW)] for b in first_blocks], dtype=torch.int32)
+    ones = torch.ones(n, dtype=torch.int32)
+    return DecoderMetadata(query_start_loc=torch.arange(n + 1, dtype=torch.int32), seq_lens=ones,
+                           block_tables=torch.zeros(n, 1, dtype=torch.int32), slot_mapping=torch.arange(n),
+                           cross_block_tables=tables, enc_lens=torch.tensor(enc_lens, dtype=torch.int32),
+                           query_lens_host=[1] * n, seq_lens_host=[1] * n, enc_lens_host=enc_lens,
+                           last_token_indices=torch.arange(n))
+
+
+def _pools(num_blocks: int = 80):
+    gen = torch.Generator().manual_seed(0)
+    return (torch.randn(num_blocks, TPB, HEADS, DIM, generator=gen),
+            torch.randn(num_blocks, TPB, HEADS, DIM, generator=gen),
+            torch.randn(8, HEADS, DIM, generator=gen))
+
+
+@pytest.mark.parametrize("first_blocks, num_calls", [
+    ([0, 10, 20, 30], 1),           # clips admitted one after another: back-to-back runs
+    ([40, 0, 60, 20], 1),           # evenly spaced with gaps, rows not in pool order
+    ([12, 12, 12], 1),              # beams of one request share its cross blocks
+    ([7], 1),
+    ([0, 10, 30, 40, 65], 3),       # uneven: [0, 10], [30, 40], [65]
+    ([30, 30, 0, 0], 2),            # two requests' beams
+])
+def test_strided_cross_attention_equals_the_per_row_loop(first_blocks, num_calls):
+    k, v, q_all = _pools()
+    meta = _meta(first_blocks)
+    q = q_all[:len(first_blocks)]
+    backend = TorchAttentionBackend()
+    plan = backend._cross_plan(meta, TPB, q.dtype)
+    assert len(plan["groups"]) == num_calls
+    got = backend.cross_attention(q, k, v, meta, 0.25)
+    loop = TorchAttentionBackend._cross_views(q, k, v, meta, 0.25, plan["starts"], TPB)
+    assert torch.equal(got, loop)
+    ref = paged_attention_ref(q, k, v, meta.query_start_loc, meta.enc_lens, meta.cross_block_tables, 0.25,
+                              causal=False)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+
+
+def test_rows_of_different_lengths_keep_the_per_row_path():
+    k, v, q_all = _pools()
+    meta = _meta([0, 10], [ENC_LEN, ENC_LEN - 40])
+    q = q_all[:2]
+    backend = TorchAttentionBackend()
+    assert backend._cross_plan(meta, TPB, q.dtype)["groups"] is None
+    got = backend.cross_attention(q, k, v, meta, 0.25)
+    ref = paged_attention_ref(q, k, v, meta.query_start_loc, meta.enc_lens, meta.cross_block_tables, 0.25,
+                              causal=False)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
