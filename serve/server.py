@@ -67,7 +67,8 @@ def make_server(app, config: ServeConfig, workers: list | None = None):
     reaches through this one and whose exit this one's drain waits for."""
     import uvicorn
 
-    workers = workers or []
+    # The caller's list itself: with --api-processes auto the others are added once the engine is up.
+    workers = workers if workers is not None else []
 
     class DrainingServer(uvicorn.Server):
         drain_started: float | None = None
@@ -284,9 +285,10 @@ def _signal_all(workers, sig) -> None:
 
 
 def _stop_workers(workers) -> list[int | None]:
-    """After this process stopped serving: the others stop too (at once unless they are
-    draining already), then their exit codes."""
-    _signal_all(workers, signal.SIGINT)
+    """After this process stopped serving: the others stop too, then their exit codes. SIGTERM:
+    their drain ends at once (the engine has stopped, so their requests have ended); uvicorn
+    would re-raise a SIGINT as a KeyboardInterrupt traceback."""
+    _signal_all(workers, signal.SIGTERM)
     for w in workers:
         w.join(10)
         if w.exitcode is None:

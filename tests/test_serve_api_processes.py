@@ -23,10 +23,17 @@ from enc2dec.serve.config import build_llm_args
 PROMPTS = ["translate the house is big", "a b c d e", "summarize: one two three four", "x y", "hello there"]
 
 
-def _start(model: str, *extra: str):
+# The command as `enc2dec serve` runs it, with --api-processes auto sized as on a GPU host of 8 cores
+# (the CPU engine would get 1): the other processes then start only once the engine is up.
+AUTO_AS_ON_A_GPU = ("import sys, enc2dec.serve.server as s; s.auto_api_processes = lambda device: 2; "
+                    "from enc2dec.cli.main import app; app(sys.argv[1:])")
+
+
+def _start(model: str, *extra: str, auto: bool = False):
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "enc2dec.cli.main", "serve", model, "--device", "cpu", "--dtype", "float32",
-           "--port", "0", "--served-model-name", "t5", "--api-processes", "2", *extra]
+    head = [sys.executable, "-c", AUTO_AS_ON_A_GPU] if auto else [sys.executable, "-m", "enc2dec.cli.main"]
+    cmd = [*head, "serve", model, "--device", "cpu", "--dtype", "float32",
+           "--port", "0", "--served-model-name", "t5", *(() if auto else ("--api-processes", "2")), *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
@@ -97,8 +104,9 @@ def test_metrics_count_every_process_whichever_answers_the_scrape(server):
     assert seen == {before + 2 * len(PROMPTS)}
 
 
-def test_sigterm_lets_a_stream_in_flight_finish_then_every_process_exits_0(t5_relu):
-    proc, url, lines = _start(t5_relu)
+@pytest.mark.parametrize("auto", [False, True], ids=["two", "auto"])
+def test_sigterm_lets_a_stream_in_flight_finish_then_every_process_exits_0(t5_relu, auto):
+    proc, url, lines = _start(t5_relu, auto=auto)
     try:
         body = {"model": "t5", "prompt": "drain me", "max_tokens": 400, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}
@@ -110,6 +118,7 @@ def test_sigterm_lets_a_stream_in_flight_finish_then_every_process_exits_0(t5_re
         assert rest[-1] == "data: [DONE]" and '"completion_tokens":400' in rest[-2]
         assert proc.wait(timeout=60) == 0, "".join(lines)
         assert sum("SIGTERM: draining" in ln for ln in lines) == 2      # both processes drained
+        assert not any("Traceback" in ln for ln in lines), "".join(lines)
         with pytest.raises(httpx.HTTPError):
             httpx.get(url + "/health", timeout=2)
     finally:
