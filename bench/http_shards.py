@@ -36,26 +36,28 @@ def split(total: int, parts: int) -> list[int]:
     return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
 
 
-_target = None       # this client process's HttpTarget, kept between levels
+# This client process's event loop and HttpTarget, kept between levels: the target's connection
+# pool belongs to the loop it was made in.
+_loop: asyncio.AbstractEventLoop | None = None
+_target = None
 
 
 def _shard(target_args: tuple, reqs: list[BenchRequest], concurrency: int, num_requests: int | None,
            duration_s: float | None, start_at: float) -> list[RequestRecord]:
     from .http_client import HttpTarget
 
+    global _loop, _target
+    if _loop is None:
+        _loop, _target = asyncio.new_event_loop(), HttpTarget(*target_args)
+
     async def run():
-        global _target
-        if _target is None:
-            _target = HttpTarget(*target_args)
         delay = start_at - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
         records, _ = await closed_loop(_target.send, reqs, concurrency, num_requests, duration_s)
         return records
 
-    if not hasattr(_shard, "loop"):
-        _shard.loop = asyncio.new_event_loop()           # one loop per process: the client's pool lives in it
-    return _shard.loop.run_until_complete(run())
+    return _loop.run_until_complete(run())
 
 
 class ShardedClients:
@@ -89,3 +91,29 @@ class ShardedClients:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+class ShardedHttpTarget:
+    """An HTTP target whose closed loop runs in ``k`` client processes (``ShardedClients``)."""
+
+    name = "http"
+
+    def __init__(self, target, k: int):
+        self._target = target
+        self.model = target.model
+        self._clients = ShardedClients(k, (target.url, target.model, target.concurrency, target.streaming,
+                                           target.timeout_s, target.beam_width))
+
+    async def begin_level(self) -> None:
+        pass
+
+    async def end_level(self) -> dict:
+        return {}
+
+    async def closed_loop(self, reqs, concurrency, num_requests, duration_s, progress=None):
+        return await asyncio.to_thread(self._clients.run, list(reqs), concurrency, num_requests, duration_s,
+                                       progress)
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self._clients.close)
+        await self._target.aclose()

@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from typing import Callable
 
 from .errors import BenchInputError
-from .http_shards import auto_client_processes
+from .http_shards import ShardedHttpTarget, auto_client_processes
 from .loop import Progress, closed_loop
 from .metrics import LevelMetrics, compute_level
 from .options import BenchOptions, _split_warmup, build_workload, cycle_requests
@@ -271,30 +271,3 @@ class _Run:
             finally:
                 base.close()
 
-
-class ShardedHttpTarget:
-    """An HTTP target whose closed loop runs in ``k`` client processes (bench/http_shards.py)."""
-
-    name = "http"
-
-    def __init__(self, target, k: int):
-        from .http_shards import ShardedClients
-
-        self._target = target
-        self.model = target.model
-        self._clients = ShardedClients(k, (target.url, target.model, target.concurrency, target.streaming,
-                                           target.timeout_s, target.beam_width))
-
-    async def begin_level(self) -> None:
-        pass
-
-    async def end_level(self) -> dict:
-        return {}
-
-    async def closed_loop(self, reqs, concurrency, num_requests, duration_s, progress=None):
-        return await asyncio.to_thread(self._clients.run, list(reqs), concurrency, num_requests, duration_s,
-                                       progress)
-
-    async def aclose(self) -> None:
-        await asyncio.to_thread(self._clients.close)
-        await self._target.aclose()

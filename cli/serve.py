@@ -144,7 +144,9 @@ def serve(
         if why:
             typer.echo(f"error: --api-processes {cfg.api_processes}: {why}", err=True)
             raise typer.Exit(2)
-    _setup_logging(cfg.log_level)
+    from enc2dec.serve.server import setup_logging
+
+    setup_logging(cfg.log_level)
     if ray_address:
         raise typer.Exit(_serve_on_ray(cfg, llm_args, ray_address, ray_replicas, ray_autoscaling))
     from enc2dec.serve.server import run_server
@@ -184,16 +186,6 @@ def _importable(module: str) -> bool:
         return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):
         return False
-
-
-def _setup_logging(level: str) -> None:
-    logger = logging.getLogger("enc2dec")
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        logger.addHandler(handler)
-    logger.setLevel(level.upper())
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def register(app: typer.Typer) -> None:

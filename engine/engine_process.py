@@ -128,11 +128,6 @@ class _ChildSender:
                 self._writer.start()
             self._cv.notify_all()
 
-    def flush(self) -> None:
-        with self._cv:
-            while self._pending or self._busy:
-                self._cv.wait()
-
     def _write_queued(self) -> None:
         while True:
             with self._cv:
@@ -506,7 +501,19 @@ class ProcessLLM:
         before the engine is built; ``name`` is how errors call this process (a replica's).
         ``listen``: other processes may attach to this engine (``attach``) at ``attach_address``;
         True picks one, or pass ``new_attach_address()`` made beforehand."""
-        self._setup(args, name)
+        from enc2dec.engine.llm import RequestHandle
+
+        self._handle_cls = RequestHandle
+        self.args = args
+        self._handles: dict[str, Any] = {}
+        self._streams: dict[str, _Stream] = {}
+        self._replies: dict[int, concurrent.futures.Future] = {}
+        self._lock = threading.Lock()            # handles, streams, replies; and the pipe's send side
+        self._ids = itertools.count()
+        self._rid_prefix = f"req-{os.getpid()}-{id(self):x}-"
+        self._stop = False
+        self._error: BaseException | None = None
+        self.name = name
         self.attach_address: tuple[str, bytes] | None = None
         if _attach is not None:
             self._proc = None
@@ -536,21 +543,6 @@ class ProcessLLM:
         (its socket appears once the model has loaded). ``shutdown()`` detaches; the engine
         stops with the process that started it."""
         return cls(args, name=name, _attach=address)
-
-    def _setup(self, args, name: str) -> None:
-        from enc2dec.engine.llm import RequestHandle
-
-        self._handle_cls = RequestHandle
-        self.args = args
-        self._handles: dict[str, Any] = {}
-        self._streams: dict[str, _Stream] = {}
-        self._replies: dict[int, concurrent.futures.Future] = {}
-        self._lock = threading.Lock()            # handles, streams, replies; and the pipe's send side
-        self._ids = itertools.count()
-        self._rid_prefix = f"req-{os.getpid()}-{id(self):x}-"
-        self._stop = False
-        self._error: BaseException | None = None
-        self.name = name
 
     @classmethod
     def from_args(cls, args: LlmArgs) -> "ProcessLLM":

@@ -12,8 +12,9 @@ and the log names the real port.
 ``--api-processes N``: this process and N-1 spawned ones serve the one port, each with its own
 event loop and GIL, all attached to the one engine process this process starts. On Linux each
 has a socket of its own on the port (SO_REUSEPORT), so the kernel spreads connections evenly;
-elsewhere they share this process's socket. This process turns healthy once the others serve. SIGTERM is passed on: each
-drains its own requests, and this one waits for the others before it stops the engine.
+elsewhere they share this process's socket. This process turns healthy once the others serve.
+SIGTERM is passed on: each drains its own requests, and this one waits for the others before it
+stops the engine.
 Prometheus counters are kept per process in a shared folder and summed on every scrape
 (prometheus-client's multi-process mode).
 """
@@ -224,7 +225,7 @@ def _api_worker(config: ServeConfig, llm_args, address, listen_on, ready) -> Non
 
     from .app import build_app
 
-    _worker_logging(config.log_level)
+    setup_logging(config.log_level, with_pid=True)
     if isinstance(listen_on, tuple):
         sock = bind_socket(*listen_on, reuse_port=True, listen=False)
     else:
@@ -252,11 +253,11 @@ def _api_worker(config: ServeConfig, llm_args, address, listen_on, ready) -> Non
     raise SystemExit(1 if server.drain_incomplete else 0)
 
 
-def _wait_for_workers(workers, timeout_s: float = 120.0) -> None:
-    """Until every other API process serves (or has exited), so that clients which wait for
-    /health never find a process that is still attaching."""
+def _wait_for_workers(started, timeout_s: float = 120.0) -> None:
+    """Until every other API process (``started``: (process, its ready pipe) pairs) serves or
+    has exited, so that clients which wait for /health never find one still attaching."""
     deadline = time.monotonic() + timeout_s
-    for w, ready in workers:
+    for w, ready in started:
         while not ready.poll(0.1):
             if w.exitcode is not None:
                 break
@@ -266,13 +267,16 @@ def _wait_for_workers(workers, timeout_s: float = 120.0) -> None:
         ready.close()
 
 
-def _worker_logging(level: str) -> None:
+def setup_logging(level: str, with_pid: bool = False) -> None:
+    """The server's log lines on stderr; ``with_pid`` names the process (the other API processes)."""
     log = logging.getLogger("enc2dec")
     if not log.handlers:
+        name = f"%(name)s[{os.getpid()}]" if with_pid else "%(name)s"
         handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s %(name)s[{os.getpid()}]: %(message)s"))
+        handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {name}: %(message)s"))
         log.addHandler(handler)
     log.setLevel(level.upper())
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def _signal_all(workers, sig) -> None:
