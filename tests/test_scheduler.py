@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from enc2dec.engine.core.batch import ModelRunnerOutput, SampledToken, SchedulerOutput
+from enc2dec.engine.core.batch import ModelRunnerOutput, SchedulerOutput
 from enc2dec.engine.core.request import Request, RequestStatus, Sequence
 from enc2dec.engine.core.scheduler import Scheduler, SchedulerLimits
 
@@ -39,15 +39,15 @@ class PagedFakeModel:
             for pos, tok in enumerate(enc.encoder_input):
                 self.cross_kv[self._slot(enc.cross_block_ids, pos)] = tok
             self.seq_index.update(zip(enc.seq_ids, enc.seq_indices))
-        sampled = {}
+        tokens = []
         for s in so.seqs:
             for i, tok in enumerate(s.input_token_ids):
                 self.self_kv[self._slot(s.block_ids, s.start_pos + i)] = tok
             context = [self.self_kv[self._slot(s.block_ids, p)] for p in range(s.seq_len)]
             encoder = [self.cross_kv[self._slot(s.cross_block_ids, p)] for p in range(s.encoder_len)]
             tok = next_token(context, encoder, self.seq_index[s.seq_id])
-            sampled[s.seq_id] = SampledToken(tok, logprob=-0.25, top_logprobs={tok: -0.25})
-        return ModelRunnerOutput(sampled)
+            tokens.append(tok)
+        return ModelRunnerOutput(tokens, logprobs=[-0.25] * len(tokens), top_logprobs=[{t: -0.25} for t in tokens])
 
 
 class ScriptedModel:
@@ -60,8 +60,7 @@ class ScriptedModel:
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         for enc in so.encodes:
             self.seq_index.update(zip(enc.seq_ids, enc.seq_indices))
-        return ModelRunnerOutput({s.seq_id: SampledToken(self.script[self.seq_index[s.seq_id]][
-            s.num_output_tokens]) for s in so.seqs})
+        return ModelRunnerOutput([self.script[self.seq_index[s.seq_id]][s.num_output_tokens] for s in so.seqs])
 
 
 def make_request(rid: str, encoder_len: int, max_output_tokens: int, n: int = 1,
@@ -367,8 +366,8 @@ def test_logprobs_accumulate():
     sched.add_request(req)
     for logprob in (-0.5, -1.0):
         so = sched.schedule()
-        sid = so.seqs[0].seq_id
-        sched.update(so, ModelRunnerOutput({sid: SampledToken(5, logprob, {5: logprob, 6: -3.0})}))
+        assert len(so.seqs) == 1
+        sched.update(so, ModelRunnerOutput([5], logprobs=[logprob], top_logprobs=[{5: logprob, 6: -3.0}]))
     seq = req.seqs[0]
     assert seq.cumulative_logprob == -1.5
     assert seq.logprobs == [{5: -0.5, 6: -3.0}, {5: -1.0, 6: -3.0}]

@@ -32,7 +32,7 @@ class OverlapFakeModel(PagedFakeModel):
                 ids = ids[:-1] + [self.prev[s.seq_id]]
             fed.append(dataclasses.replace(s, input_token_ids=ids))
         out = super().execute(dataclasses.replace(so, seqs=fed))
-        self.prev = {sid: t.token_id for sid, t in out.sampled.items()}
+        self.prev = {s.seq_id: t for s, t in zip(fed, out.token_ids)}
         return out
 
 

@@ -27,11 +27,11 @@ import time
 
 import torch
 
-from enc2dec.engine.core.batch import ModelRunnerOutput, SampledToken
+from enc2dec.engine.core.batch import ModelRunnerOutput
 from enc2dec.engine.core.request import Request, Sequence
 from enc2dec.engine.core.scheduler import Scheduler, SchedulerLimits
 
-TOKEN = SampledToken(7, -0.5)
+TOKEN, LOGPROB = 7, -0.5
 
 
 def _request(i: int, output_len: int) -> Request:
@@ -67,7 +67,8 @@ class FakeRunner:
 
     def launch(self, so):
         self.encoded, self.num_seqs = bool(so.encodes), len(so.seqs)
-        return _Done(ModelRunnerOutput(sampled={s.seq_id: TOKEN for s in so.seqs}))
+        n = len(so.seqs)
+        return _Done(ModelRunnerOutput([TOKEN] * n, logprobs=[LOGPROB] * n))
 
 
 class FakeTokenizer:

@@ -78,13 +78,6 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.seqs)
 
 
-@dataclass(slots=True)
-class SampledToken:
-    token_id: int
-    logprob: float = 0.0                       # log-probability of token_id (0.0 when not asked)
-    top_logprobs: dict[int, float] | None = None
-
-
 @dataclass(frozen=True)
 class BeamCandidate:
     """A continuation of a running beam, proposed by the sampler for beam search."""
@@ -97,15 +90,14 @@ class BeamCandidate:
 
 @dataclass
 class ModelRunnerOutput:
-    sampled: dict[int, SampledToken] = field(default_factory=dict)   # seq_id -> token
+    # The sampled tokens by row: row i is the step's i-th scheduled sequence. No object per row:
+    # at 256 rows such objects set off most of the host path's garbage collections (about one
+    # per step).
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None                      # of each row's token; None: not asked
+    top_logprobs: list[dict[int, float] | None] | None = None
     # Beam-search requests: request_id -> candidates over all its beams, best first.
     beams: dict[str, list[BeamCandidate]] = field(default_factory=dict)
     # seq_id -> {token id: log-probability} at its SamplingParams.prefix_logprob_position
     prefix_logprobs: dict[int, dict[int, float]] = field(default_factory=dict)
-    # ``sampled`` by row instead, as the model runner returns it: row i is the step's i-th
-    # scheduled sequence. No object per row: at 256 rows those objects set off most of the host
-    # path's garbage collections (about one per step). When set, ``sampled`` is not read.
-    token_ids: list[int] | None = None
-    logprobs: list[float] | None = None                      # of each row's token; None: not asked
-    top_logprobs: list[dict[int, float] | None] | None = None
 

@@ -338,7 +338,7 @@ class Scheduler(BeamScheduling):
         requests finished now."""
         finished: list[Request] = []
         beam_reqs: dict[str, Request] = {}
-        live, sampled_of = self._live_seqs, runner_out.sampled
+        live = self._live_seqs
         by_row, row_logprobs, row_tops = runner_out.token_ids, runner_out.logprobs, runner_out.top_logprobs
         for seq_id, lps in runner_out.prefix_logprobs.items():
             if seq_id in live:
@@ -361,14 +361,10 @@ class Scheduler(BeamScheduling):
                 token_ids.append(PLACEHOLDER_TOKEN_ID)
             elif index >= len(token_ids) or token_ids[index] != PLACEHOLDER_TOKEN_ID:
                 continue   # an inner prompt token
-            if by_row is not None:
-                token_id = by_row[row]
-                logprob = row_logprobs[row] if row_logprobs is not None else 0.0
-                top = row_tops[row] if row_tops is not None else None
-            else:
-                sampled = sampled_of.get(scheduled.seq_id)
-                assert sampled is not None, f"runner returned no token for seq {scheduled.seq_id}"
-                token_id, logprob, top = sampled.token_id, sampled.logprob, sampled.top_logprobs
+            assert row < len(by_row), f"runner returned no token for seq {scheduled.seq_id}"
+            token_id = by_row[row]
+            logprob = row_logprobs[row] if row_logprobs is not None else 0.0
+            top = row_tops[row] if row_tops is not None else None
             token_ids[index] = token_id
             seq.cumulative_logprob += logprob
             if top is not None:
