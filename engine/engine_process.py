@@ -10,8 +10,9 @@ Wire (``multiprocessing.connection`` pipe, pickle protocol 5), parent -> child:
 ``("call", id, fn)``, ``("shutdown",)``. Child -> parent:
 ``("ready", EngineSnapshot)`` or ``("failed", exception)`` once, then ``("reply", id, ok,
 value)`` for the calls that wait, and ``("out", [delta, ...], stats)``, ONE message per engine
-step holding every request's new tokens, text and logprobs (never the cumulative lists: those
-would make a stream of L tokens cost O(L^2) on the wire) and the scheduler's counters, so
+step holding every request's new tokens, text and logprobs, as the engine core gives them
+(``make_request(deltas=True)``, layout in ``EngineCore._delta``: never the cumulative lists, which
+would make a stream of L tokens cost O(L^2) in the core and on the wire), and the scheduler's counters, so
 ``stats()`` in the parent is a plain read (serve's admission asks for it per request). The
 parent rebuilds cumulative ``RequestOutput`` objects from the deltas, so callers see exactly
 what the in-process ``LLM`` gives them.
@@ -95,19 +96,16 @@ def _stats(llm) -> dict:
 
 # ---- child side ---------------------------------------------------------------------------------
 class _ChildSender:
-    """Turns the in-process LLM's outputs into deltas against what the parent already has, and
-    writes messages to one client in order.
+    """Writes messages to one client in order.
 
     A step's output message is pickled and written by a thread of its own (``send_later``):
-    the step loop only builds the deltas, and the pickling and the pipe write run while the
+    the step loop only hands it over, and the pickling and the pipe write run while the
     step loop waits for the GPU (its synchronize releases the GIL). Every other message
     (``send``) is pickled at once, so an unpicklable reply still fails its caller, and is
     written after everything queued before it."""
 
     def __init__(self, conn):
         self.conn = conn
-        self.sent: dict[str, list[list]] = {}     # request id -> per completion [num ids, text, num logprobs]
-        self.num_token_times: dict[str, int] = {}
         self._cv = threading.Condition()
         self._pending: collections.deque = collections.deque()
         self._busy = False                         # the writer thread holds a message
@@ -144,45 +142,6 @@ class _ChildSender:
                     self._busy = False
                     self._cv.notify_all()
 
-    def deltas(self, outputs) -> list:
-        out = []
-        for ro in outputs:
-            rid = ro.request_id
-            first = rid not in self.sent
-            sent = self.sent.setdefault(rid, [])
-            comps = []
-            for i, c in enumerate(ro.outputs):
-                if i >= len(sent):
-                    sent.append([0, "", 0])
-                n_ids, text, n_lp = sent[i]
-                ids = c.token_ids
-                # Tokens and logprobs only grow (beams, which reorder, send their one final output);
-                # a shorter list is sent whole rather than trusted.
-                if len(ids) < n_ids:
-                    n_ids = -1
-                new_ids = ids if n_ids < 0 else ids[n_ids:]
-                if c.text.startswith(text):
-                    text_delta = (True, c.text[len(text):])
-                else:
-                    text_delta = (False, c.text)
-                lps = c.logprobs
-                lps_whole = n_ids < 0 or (lps is not None and len(lps) < n_lp)
-                new_lps = None if lps is None else (lps if lps_whole else lps[n_lp:])
-                comps.append((c.index, n_ids < 0, new_ids, text_delta, c.finish_reason, c.stop_reason,
-                              c.cumulative_logprob, lps_whole, new_lps, c.prefix_logprobs))
-                sent[i] = [len(ids), c.text, 0 if lps is None else len(lps)]
-            m = ro.metrics
-            n_tt = self.num_token_times.get(rid, 0)
-            metrics = (m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finished_time,
-                       m.num_preemptions, m.token_times[n_tt:])
-            self.num_token_times[rid] = len(m.token_times)
-            head = (ro.prompt, ro.prompt_token_ids) if first else None
-            out.append((rid, head, comps, ro.finished, ro.error, metrics))
-            if ro.finished:
-                del self.sent[rid]
-                self.num_token_times.pop(rid, None)
-        return out
-
 
 class _Clients:
     """The engine's API clients: each request's outputs go to the connection that added it.
@@ -209,18 +168,19 @@ class _Clients:
     def deliver(self, outputs, stats) -> None:
         senders = self.senders
         if len(senders) == 1:
-            senders[0].send_later(("out", senders[0].deltas(outputs), stats))
+            senders[0].send_later(("out", outputs, stats))
             return
         first, groups = senders[0], {}
-        for ro in outputs:
-            sender = self.owner.get(ro.request_id, first)
-            if ro.finished:
-                self.owner.pop(ro.request_id, None)
-            groups.setdefault(id(sender), (sender, []))[1].append(ro)
+        for delta in outputs:
+            rid = delta[0]
+            sender = self.owner.get(rid, first)
+            if delta[3]:
+                self.owner.pop(rid, None)
+            groups.setdefault(id(sender), (sender, []))[1].append(delta)
         # Every client gets the step's counters (its admission reads them), with or without outputs.
         for sender in senders:
             group = groups.get(id(sender))
-            sender.send_later(("out", sender.deltas(group[1]) if group else [], stats))
+            sender.send_later(("out", group[1] if group else [], stats))
 
     def broadcast(self, msg) -> None:
         for sender in self.senders:
@@ -263,11 +223,11 @@ def _child_main(args: LlmArgs, conn, env: dict | None = None, num_threads: int |
                 if self._error is not None and not self._stop:    # the step loop died: say so
                     clients.broadcast(("dead", _portable(self._error)))
 
-        def _deliver(self, outputs) -> None:
+        def _deliver(self, outputs) -> None:      # deltas (EngineCore._delta): request id [0], finished [3]
             outputs = list(outputs)
-            for ro in outputs:
-                if ro.finished:
-                    self._handles.pop(ro.request_id, None)
+            for delta in outputs:
+                if delta[3]:
+                    self._handles.pop(delta[0], None)
             if outputs:
                 clients.deliver(outputs, _stats(self))
 
@@ -362,7 +322,7 @@ def _serve_commands(llm, conn, sender: _ChildSender, clients: _Clients, first: b
                 continue
             for i, (rid, inputs, text, params, streaming) in enumerate(batch):
                 try:
-                    t = core.make_request(inputs, params, streaming, request_id=rid)
+                    t = core.make_request(inputs, params, streaming, request_id=rid, deltas=True)
                     if text is not None:          # tokenised by the parent: the output names the text
                         t.prompt = text
                     tracked.append(t)
@@ -460,6 +420,7 @@ class _Stream:
         self.metrics = RequestMetrics()
 
     def apply(self, rid, head, comps, finished, error, metrics) -> RequestOutput:
+        """One delta (``EngineCore._delta``'s layout) onto the request's cumulative output."""
         if head is not None:
             self.prompt, self.prompt_token_ids = head
         m = self.metrics
@@ -467,20 +428,16 @@ class _Stream:
          m.num_preemptions, new_times) = metrics
         m.token_times.extend(new_times)
         outs = []
-        for index, full, new_ids, (append, text), finish, stop, cum_lp, lps_whole, new_lps, prefix_lps in comps:
+        for index, new_ids, text, text_replaces, finish, stop, cum_lp, new_lps, prefix_lps in comps:
             state = self.comps.get(index)
             if state is None:
                 state = self.comps[index] = [[], "", None]
-            if full:
-                state[0] = list(new_ids)
-            else:
-                state[0].extend(new_ids)
-            state[1] = state[1] + text if append else text
+            state[0].extend(new_ids)
+            state[1] = text if text_replaces else state[1] + text
             if new_lps is not None:
-                if lps_whole or state[2] is None:
-                    state[2] = list(new_lps)
-                else:
-                    state[2].extend(new_lps)
+                if state[2] is None:
+                    state[2] = []
+                state[2].extend(new_lps)
             # New lists per output, as in-process: a caller may keep an earlier one.
             outs.append(CompletionOutput(index, state[1], list(state[0]), finish, stop, cum_lp,
                                          None if state[2] is None else list(state[2]), prefix_lps))
@@ -845,7 +802,7 @@ class ProcessLLM:
         deltas = []
         for rid, handle, stream in pending:
             stream = stream or _Stream()
-            comps = [(i, False, [], (True, ""), "abort", None, None, False, None, None) for i in (stream.comps or [0])]
+            comps = [(i, [], "", False, "abort", None, None, None, None) for i in (stream.comps or [0])]
             m = stream.metrics
             metrics = (m.arrival_time, m.first_scheduled_time, m.first_token_time, time.monotonic(),
                        m.num_preemptions, [])

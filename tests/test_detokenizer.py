@@ -58,3 +58,20 @@ def test_byte_level_bpe_streams_the_full_decode(real_whisper, chunk):
     pieces.append(detok.finish(ids))
     assert "".join(pieces) == bpe.decode(ids) == detok.text
     assert all("\ufffd" not in p for p in pieces)
+
+
+class _CleanupTokenizer:
+    """Decodes a lone token with a leading space, as sentencepiece-style tokenizers may, but a whole
+    list with the first space stripped: the final decode then does not extend the streamed text."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f" w{i}" for i in ids)[1 if len(ids) > 3 else 0:]
+
+
+def test_a_final_decode_that_rewrites_the_stream_is_flagged_and_given_whole():
+    detok = IncrementalDetokenizer(_CleanupTokenizer())
+    ids = [1, 2, 3, 4, 5]
+    streamed = "".join(detok.add([i]) for i in ids[:2])
+    assert streamed == " w1 w2" and not detok.rewritten
+    last = detok.finish(ids)
+    assert detok.rewritten and last == detok.text == "w1 w2 w3 w4 w5"

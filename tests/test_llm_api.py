@@ -96,6 +96,26 @@ def test_streaming_yields_incremental_text_and_async_result(byt5):
     assert final.outputs[0].token_ids == blocking.outputs[0].token_ids
 
 
+@pytest.mark.parametrize("engine_process", [False, True])
+def test_a_stream_never_shows_text_that_a_stop_string_then_cuts(byt5, engine_process):
+    """Characters that may begin a stop string are held back until it is known whether they do:
+    a client that concatenates the streamed pieces (as an SSE client does) gets the final text."""
+    free_params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    with LLM(byt5, dtype="float32", max_batch_size=4, kv_cache_config=KV, engine_process=engine_process) as llm:
+        free = llm.generate("byte level", free_params).outputs[0].text
+        assert len(free) >= 8
+        checked = 0
+        for k in range(1, len(free) - 3):
+            stop = free[k:k + 3]
+            params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop])
+            texts = [o.outputs[0].text for o in llm.generate_async("byte level", params, streaming=True)]
+            final = texts[-1]
+            assert final == free[:free.index(stop)]
+            assert all(final.startswith(t) for t in texts), (stop, texts)
+            checked += len(texts) > 2
+    assert checked          # streams of several steps were looked at
+
+
 def test_preemption_loses_no_request_and_no_token(t5_relu):
     prompts = [f"request number {i} " + "x " * (i % 5) for i in range(10)]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

@@ -7,8 +7,11 @@
 #   serve    enc2dec serve flan-t5-large (dummy, loopback, in the background, waited for /health) with
 #            serve's default (auto) and --api-processes 1 (SERVE_API), each + bench --url --streaming at C=64,
 #            against sampled's greedy in-process figure
+#   stream   flan-t5-large greedy in-process with --streaming: what a stream costs the engine
+#            itself, the in-process side of serve's figure
 #   fast     whisper-large-v3-turbo at C=64 and flan-t5-base at C=256, each against hf-compile
-#            (turbo: the first of the two only)
+#            (turbo: the first of the two only; turbo-unbounded: turbo again without the
+#            one-clip-per-decoding-step encoder budget, no baseline)
 #   fp8      whisper-large-v3 (and flan-t5-large) at C=64 with --kv-cache-dtype fp8, against the
 #            same runs with bf16 KV (wh-plain, t5-greedy: run those sections in the same call)
 #   itl      the encoder budget of decoding steps (tuning.encoder_tokens_while_decoding): whisper-large-v3
@@ -124,6 +127,10 @@ for section in $SECTIONS; do
   t5)
     run t5-greedy $LIMIT $T5RUN
     run t5-sampled $LIMIT $T5RUN --temperature 0.8 --top-p 0.95 ;;
+  stream) run t5-stream $LIMIT $T5RUN --streaming ;;
+  turbo-unbounded)
+    RUN_ENV=ENC2DEC_ENCODER_TOKENS_WHILE_DECODING=8192 run turbo-unbounded $LIMIT --model $WHT $COMMON $AUD \
+        --concurrency $C --num-requests $NUM ;;
   turbo)
     run turbo-hfc ${FAST_LIMIT_S:-$((LIMIT * 2))} --model $WHT $COMMON $AUD --concurrency $C --num-requests $NUM \
         --baseline $FASTBASE ;;
@@ -199,6 +206,9 @@ rows = [
     ("  --api-processes 2", ratio(level("http-stream-a2"), level("t5-greedy")), 0.90),
     ("  --api-processes 4", ratio(level("http-stream-a4"), level("t5-greedy")), 0.90),
     ("  --api-processes auto (the default)", ratio(level("http-stream-aauto"), level("t5-greedy")), 0.90),
+    ("  auto / in-process --streaming", ratio(level("http-stream-aauto"), level("t5-stream")), 0.90),
+    ("in-process --streaming / greedy", ratio(level("t5-stream"), level("t5-greedy")), 0.90),
+    ("turbo unbounded encoder / turbo", ratio(level("turbo-unbounded"), level("turbo-hfc", conc=c)), 1.0),
     ("whisper fp8 KV / bf16 KV", ratio(level("wh-fp8"), level("wh-plain")), 12000 / 9000),
     ("t5 fp8 KV / bf16 KV", ratio(level("t5-fp8"), level("t5-greedy")), 1.0),
 ]

@@ -27,11 +27,20 @@ class IncrementalDetokenizer:
         self._prefix_text = ""      # decode of ids[_prefix_offset:_read_offset]
         self.stop_matched: str | None = None
         self._emitted = 0           # characters of self.text already returned
+        # finish() found a whole-output decode that does not extend what was already returned:
+        # its text replaces the streamed pieces.
+        self.rewritten = False
 
     @property
     def num_tokens(self) -> int:
         """Tokens fed so far: the next ``add`` takes the ones after these."""
         return len(self._token_ids)
+
+    @property
+    def num_emitted(self) -> int:
+        """Characters of ``text`` that are final: what a stream may show. The rest may be the
+        start of a stop string and can still be cut."""
+        return self._emitted
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -93,5 +102,7 @@ class IncrementalDetokenizer:
             full = self._decode(token_ids)
             if full.startswith(self.text):
                 return self._append(full[len(self.text):]) + self._emit(final=True)
+            if not full.startswith(self.text[:self._emitted]):
+                self.rewritten, self._emitted = True, 0
             self.text = full
         return self._emit(final=True)
