@@ -215,7 +215,8 @@ class EngineCore:
                       encoder_input=proc.encoder_input, seqs=seqs, max_output_tokens=proc.max_output_tokens,
                       sampling_params=spec, eos_token_ids=frozenset(eos),
                       stop_token_ids=frozenset(params.stop_token_ids or ()), ignore_eos=params.ignore_eos,
-                      min_tokens=params.min_tokens, needs_host_tokens=params.needs_host_tokens)
+                      min_tokens=params.min_tokens, needs_host_tokens=params.needs_host_tokens,
+                      encoder_cache_key=proc.encoder_cache_key)
         if params.use_beam_search:
             req.beam = BeamState(params.beam_width, params.n, params.length_penalty, params.early_stopping,
                                  keep_logprobs=params.logprobs is not None,

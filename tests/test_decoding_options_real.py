@@ -38,6 +38,21 @@ def test_fallback_fires_on_a_repeating_window_and_keeps_the_retried_text(real_wh
     assert fallback.text == hot.text and fallback.text != greedy.text
 
 
+def test_a_fallback_retry_decodes_from_the_first_attempts_encoder_output(real_whisper, real_tiny_llm, monkeypatch):
+    repeated = (np.tile(_wave(real_whisper, "goforward.wav"), 8), 16000)
+    model, cache = real_tiny_llm.engine.runner.model, real_tiny_llm.engine.scheduler.encoder_cache
+    encoded = []            # windows each encoder pass ran
+    encode = model.encode
+    monkeypatch.setattr(model, "encode", lambda inputs, meta: encoded.append(len(meta.seq_lens)) or encode(inputs, meta))
+    (reused,) = transcribe(real_tiny_llm, [repeated], temperature=(0.0, 1.0), best_of=2)
+    assert reused.num_windows == 2 and sum(encoded) == 1        # two attempts, one encoder pass
+    encoded.clear()
+    monkeypatch.setattr(cache, "max_entries", 0)                # nothing kept: every attempt encodes
+    (encoded_twice,) = transcribe(real_tiny_llm, [repeated], temperature=(0.0, 1.0), best_of=2)
+    assert encoded_twice.num_windows == 2 and sum(encoded) == 2
+    assert reused.text == encoded_twice.text
+
+
 def test_an_initial_prompt_changes_the_spelling_of_a_name(real_whisper, real_tiny_llm):
     clip = str(real_whisper.manifest.parent / NAME_CLIP)
     plain, prompted = transcribe(real_tiny_llm, [clip]), transcribe(real_tiny_llm, [clip], initial_prompt=SPELLING_PROMPT)

@@ -61,6 +61,26 @@ def test_logits_processors_see_their_own_ids_and_leave_other_rows_alone(whisper_
     assert force.seen == [got[:i] for i in range(len(got))]
 
 
+def test_requests_with_one_multi_modal_uuid_encode_their_audio_once(whisper_llm, monkeypatch):
+    model = whisper_llm.engine.runner.model
+    encoded = []
+    encode = model.encode
+    monkeypatch.setattr(model, "encode", lambda inputs, meta: encoded.append(len(meta.seq_lens)) or encode(inputs, meta))
+    audio = {"audio": [(_noise(3, 1), 16000)]}
+    keyed = {"prompt": "", "multi_modal_data": audio, "multi_modal_uuids": {"audio": ["clip-1"]}}
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    first = whisper_llm.generate(keyed, greedy).outputs[0].token_ids
+    sampled = whisper_llm.generate(keyed, SamplingParams(max_tokens=8, temperature=1.0, seed=3, n=2,
+                                                         ignore_eos=True))
+    again = whisper_llm.generate(keyed, greedy).outputs[0].token_ids
+    assert encoded == [1], "the later requests decode from the first one's cross K/V"
+    unkeyed = whisper_llm.generate({"prompt": "", "multi_modal_data": audio}, greedy).outputs[0].token_ids
+    assert encoded == [1, 1]
+    assert first == again == unkeyed and len(sampled.outputs) == 2
+    with pytest.raises(ValueError, match="multi_modal_uuids"):
+        whisper_llm.generate({**keyed, "multi_modal_uuids": {"audio": ["a", "b"]}}, greedy)
+
+
 def test_transcribe_detects_the_language_and_matches_transformers(whisper, whisper_llm, hf_whisper):
     tok = AutoTokenizer.from_pretrained(whisper)
     fe = WhisperFeatureExtractor.from_pretrained(whisper)

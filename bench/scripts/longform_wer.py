@@ -35,6 +35,8 @@ import numpy as np
 
 SR = 16000
 STRATEGIES = ("chunked", "sequential", "vad")
+# ``STRATEGY+VARIANT`` engines: the strategy with these CLI options, e.g. vad+fallback
+VARIANTS = {"fallback": ["--temperature", "0,0.2,0.4,0.6,0.8,1.0"]}
 FW_MODES = ("fw-batched", "fw-sequential")
 
 FW_SCRIPT = r"""
@@ -130,10 +132,11 @@ def _normaliser(model_dir: Path):
 def run_enc2dec(model_dir: Path, strategy: str, audio: Path, beam: int = 1,
                 pythonpath: str | None = None) -> tuple[str, float]:
     """The text (plain txt on stdout, as a user runs it) and the wall seconds the summary reports
-    (transcription only, without the model load)."""
+    (transcription only, without the model load). ``strategy`` may carry a ``+VARIANT``."""
     cli = Path(sys.executable).with_name("enc2dec")
+    strategy, _, variant = strategy.partition("+")
     cmd = [str(cli), "transcribe", str(audio), "--model", str(model_dir), "--strategy", strategy,
-           "--dtype", "float32", "--device", "cpu", "--quiet", "--beam-size", str(beam)]
+           "--dtype", "float32", "--device", "cpu", "--quiet", "--beam-size", str(beam), *VARIANTS.get(variant, [])]
     env = dict(os.environ, PYTHONPATH=pythonpath) if pythonpath else None
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode != 0:
@@ -187,7 +190,8 @@ def main() -> None:
                                                      or Path.home() / ".cache" / "enc2dec-real"))
     p.add_argument("--models", default="tiny.en,base", help="comma list of tiny.en, base")
     p.add_argument("--engines", default=",".join(STRATEGIES + FW_MODES),
-                   help=f"comma list of {', '.join(STRATEGIES + FW_MODES)}")
+                   help=f"comma list of {', '.join(STRATEGIES + FW_MODES)}; a strategy may take a "
+                        f"+VARIANT ({', '.join(VARIANTS)}), e.g. vad+fallback")
     p.add_argument("--files", default="", help="comma list of composition names (default: all)")
     p.add_argument("--fw-python", default="/work/fw-venv/bin/python")
     p.add_argument("--threads", type=int, default=2, help="faster-whisper cpu_threads")
@@ -201,7 +205,8 @@ def main() -> None:
     a = p.parse_args()
     engines = [e for e in a.engines.split(",") if e]
     if a.baseline_src:
-        engines = [x for e in engines for x in ([e, f"{e}@baseline"] if e in STRATEGIES else [e])]
+        engines = [x for e in engines for x in ([e, f"{e}@baseline"] if e.partition("+")[0] in STRATEGIES
+                                                 else [e])]
     comps = compose(a.folder, a.real / "speech", _normaliser(a.real / "whisper-base"))
     if a.files:
         comps = [c for c in comps if c.name in a.files.split(",")]
@@ -214,7 +219,7 @@ def main() -> None:
             for r in range(a.rounds):
                 for engine in engines:
                     strategy = engine.removesuffix("@baseline")
-                    if strategy in STRATEGIES:
+                    if strategy.partition("+")[0] in STRATEGIES:
                         src = a.baseline_src if engine.endswith("@baseline") else None
                         text, wall_s = run_enc2dec(hf_dir, strategy, comp.path, a.beam, src)
                         label = f"enc2dec {strategy}" + (f" ({src})" if src else "")

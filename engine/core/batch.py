@@ -21,6 +21,9 @@ class ScheduledEncode:
     sampling_params: Any = None   # SamplingParams; the runner keeps it until the request ends
     seq_ids: list[int] = field(default_factory=list)
     seq_indices: list[int] = field(default_factory=list)
+    # The cross blocks already hold this input's K/V (an encoder cache hit): register the request's
+    # sampling state, run no encoder.
+    reuses_cross_kv: bool = False
 
 
 @dataclass(slots=True)
@@ -71,7 +74,7 @@ class SchedulerOutput:
 
     @property
     def num_encoder_tokens(self) -> int:
-        return sum(e.encoder_len for e in self.encodes)
+        return sum(e.encoder_len for e in self.encodes if not e.reuses_cross_kv)
 
     @property
     def num_decoder_tokens(self) -> int:

@@ -136,6 +136,10 @@ class Request:
     # SamplingParams.prefix_logprob_token_ids: {token id: log-probability}, from the step that read
     # the prefix (a recompute after preemption reads it again, to the same values).
     prefix_logprobs: dict[int, float] | None = None
+    # Names the encoder input (the prompt's multi_modal_uuids): a finished request's cross blocks
+    # are kept under it, and a later request with the same key decodes from them unencoded
+    # (encoder_cache.py). None: never cached.
+    encoder_cache_key: str | None = None
 
     @property
     def beam_width(self) -> int:

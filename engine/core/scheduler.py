@@ -20,7 +20,9 @@ Policy, in the order ``schedule()`` applies it:
    queue and is re-encoded and re-fed its whole token history when readmitted).
 2. Unless step 1 preempted, waiting requests are admitted strictly first come, first
    served: the first one that does not fit ends admission (no overtaking), so a large
-   request is never starved by small ones behind it.
+   request is never starved by small ones behind it. A request whose
+   ``encoder_cache_key`` names cross blocks kept from a finished request shares them and is
+   not encoded (``encoder_cache.py``); kept blocks give way to any request that needs room.
 
 Beam search: a request starts with one sequence and runs up to ``best_of`` beams, all of
 which admission reserves (batch rows and headroom). After each step ``BeamState`` picks the
@@ -38,6 +40,7 @@ from enc2dec.engine.core.admission import SchedulerLimits, admission_error  # no
 from enc2dec.engine.core.batch import ModelRunnerOutput, ScheduledEncode, ScheduledSeq, SchedulerOutput
 from enc2dec.engine.core.beam_scheduling import BeamScheduling
 from enc2dec.engine.core.block_manager import BlockPool, blocks_needed
+from enc2dec.engine.core.encoder_cache import DEFAULT_MAX_ENTRIES, EncoderCache
 from enc2dec.engine.core.request import LIVE_STATUSES, PLACEHOLDER_TOKEN_ID, Request, RequestStatus, Sequence
 from enc2dec.engine.core.stop_rules import check_stop
 
@@ -67,10 +70,12 @@ class _StepBudget:
 
 
 class Scheduler(BeamScheduling):
-    def __init__(self, limits: SchedulerLimits, num_self_blocks: int, num_cross_blocks: int) -> None:
+    def __init__(self, limits: SchedulerLimits, num_self_blocks: int, num_cross_blocks: int,
+                 max_cached_encodes: int = DEFAULT_MAX_ENTRIES) -> None:
         self.limits = limits
         self.self_pool = BlockPool(num_self_blocks)
         self.cross_pool = BlockPool(num_cross_blocks)
+        self.encoder_cache = EncoderCache(self.cross_pool, max_cached_encodes)
         self.waiting: deque[Request] = deque()   # FCFS; preempted requests return to the front
         self.running: list[Request] = []         # admission order; preemption takes the last
         self.num_preemptions = 0                 # since start, for metrics
@@ -206,29 +211,47 @@ class Scheduler(BeamScheduling):
     def _admit_waiting(self, out: SchedulerOutput, budget: _StepBudget) -> None:
         # Bound the encoder work of a step that running sequences also wait on (their ITL).
         cap = self.limits.encoder_max_num_tokens_while_decoding if budget.num_seqs else 0
-        while self.waiting and self._can_admit(self.waiting[0], budget):
-            if cap and budget.num_encodes and budget.num_encoder_tokens + self.waiting[0].encoder_len > cap:
+        while self.waiting:
+            req = self.waiting[0]
+            is_cached = req.encoder_cache_key in self.encoder_cache
+            if not self._can_admit(req, budget, is_cached):
                 break
-            self._admit(self.waiting.popleft(), out, budget)
+            if cap and not is_cached and budget.num_encodes and budget.num_encoder_tokens + req.encoder_len > cap:
+                break
+            self._admit(self.waiting.popleft(), out, budget, is_cached)
 
-    def _can_admit(self, req: Request, budget: _StepBudget) -> bool:
+    def _can_admit(self, req: Request, budget: _StepBudget, is_cached: bool = False) -> bool:
+        """Whether ``req`` fits this step; ``is_cached``: its cross blocks are in the encoder cache
+        (no encoder work, no new cross blocks)."""
         lim, tpb = self.limits, self.limits.tokens_per_block
         seqs = _schedulable(req)
-        num_step_tokens = req.encoder_len + sum(s.num_new_tokens for s in seqs)
+        num_encoder_tokens = 0 if is_cached else req.encoder_len
+        num_step_tokens = num_encoder_tokens + sum(s.num_new_tokens for s in seqs)
         num_self_blocks = sum(blocks_needed(s.num_tokens, tpb) + self._num_growth_blocks(req, s)
                               for s in seqs) + self._num_unexpanded_beams(req, seqs)
-        return (budget.num_encodes + 1 <= lim.encoder_max_batch_size
-                and budget.num_encoder_tokens + req.encoder_len <= lim.encoder_max_num_tokens
+        return ((is_cached or budget.num_encodes + 1 <= lim.encoder_max_batch_size
+                 and budget.num_encoder_tokens + num_encoder_tokens <= lim.encoder_max_num_tokens)
                 and budget.num_seqs + len(seqs) + self._num_unexpanded_beams(req, seqs) <= lim.max_batch_size
                 and budget.num_tokens + num_step_tokens <= lim.max_num_tokens
-                and self.cross_pool.can_allocate(blocks_needed(req.encoder_len, tpb))
+                and (is_cached or self._can_allocate_cross(blocks_needed(req.encoder_len, tpb)))
                 # Leave room for every running sequence to grow next step, so a request is
                 # not encoded now only to be preempted at the next block boundary.
                 and self.self_pool.can_allocate(num_self_blocks + budget.num_growth_blocks))
 
-    def _admit(self, req: Request, out: SchedulerOutput, budget: _StepBudget) -> None:
+    def _can_allocate_cross(self, num_blocks: int) -> bool:
+        """Free cross blocks, counting those only the encoder cache holds (evicted on allocation)."""
+        pool = self.cross_pool
+        return pool.can_allocate(num_blocks) or bool(self.encoder_cache) and \
+            pool.num_free_blocks + self.encoder_cache.num_evictable_blocks() >= num_blocks
+
+    def _admit(self, req: Request, out: SchedulerOutput, budget: _StepBudget, is_cached: bool = False) -> None:
         tpb = self.limits.tokens_per_block
-        req.cross_block_ids = self.cross_pool.allocate(blocks_needed(req.encoder_len, tpb), prefer_run=True)
+        if is_cached:
+            req.cross_block_ids = self.encoder_cache.share(req.encoder_cache_key)
+        else:
+            num_cross = blocks_needed(req.encoder_len, tpb)
+            self.encoder_cache.make_room(num_cross)
+            req.cross_block_ids = self.cross_pool.allocate(num_cross, prefer_run=True)
         seqs = req.live_seqs
         for seq in seqs:
             seq.block_ids = self.self_pool.allocate(blocks_needed(seq.num_tokens, tpb))
@@ -239,10 +262,11 @@ class Scheduler(BeamScheduling):
             request_id=req.request_id, encoder_input=req.encoder_input,
             encoder_len=req.encoder_len, cross_block_ids=req.cross_block_ids,
             sampling_params=req.sampling_params, seq_ids=[s.seq_id for s in seqs],
-            seq_indices=[s.index for s in seqs]))
-        budget.num_encodes += 1
-        budget.num_encoder_tokens += req.encoder_len
-        budget.num_tokens += req.encoder_len
+            seq_indices=[s.index for s in seqs], reuses_cross_kv=is_cached))
+        if not is_cached:
+            budget.num_encodes += 1
+            budget.num_encoder_tokens += req.encoder_len
+            budget.num_tokens += req.encoder_len
         self._emit_seqs(req, _schedulable(req), out, budget)
 
     def _emit_seqs(self, req: Request, seqs: list[Sequence], out: SchedulerOutput, budget: _StepBudget) -> bool:
@@ -396,7 +420,10 @@ class Scheduler(BeamScheduling):
         queue = self.running if req.status is RequestStatus.RUNNING else self.waiting
         # By identity: Request is a dataclass whose == would compare encoder inputs.
         del queue[next(i for i, r in enumerate(queue) if r is req)]
-        self.cross_pool.free(req.cross_block_ids)
+        if req.encoder_cache_key is not None and req.cross_block_ids and status is not RequestStatus.FINISHED_ABORTED:
+            self.encoder_cache.keep(req.encoder_cache_key, req.cross_block_ids)
+        else:
+            self.cross_pool.free(req.cross_block_ids)
         req.cross_block_ids = []
         req.status = status   # each sequence keeps its own status for its CompletionOutput
         del self._requests[req.request_id]

@@ -29,6 +29,7 @@ class ProcessedInput:
     num_hidden_tokens: int          # prefix tokens not returned to the user
     max_output_tokens: int
     audio_seconds: float = 0.0
+    encoder_cache_key: str | None = None    # the caller's name for the encoder input (multi_modal_uuids)
 
 
 def _token_ids(values) -> list[int]:
@@ -55,6 +56,20 @@ def _all_ints(*values) -> list[int]:
             continue
         return [int(x) for x in (v if isinstance(v, (list, tuple)) else [v])]
     return []
+
+
+def _audio_uuid(uuids) -> str | None:
+    """The clip's key from ``multi_modal_uuids`` (vLLM's shape: ``{"audio": ["key"]}``, one per clip).
+    Requests whose clips share a key share the encoder's output: equal keys must mean equal audio."""
+    if uuids is None:
+        return None
+    keys = uuids.get("audio") if isinstance(uuids, dict) else None
+    if isinstance(keys, str):
+        keys = [keys]
+    if not isinstance(keys, (list, tuple)) or len(keys) != 1 or not (keys[0] is None or isinstance(keys[0], str)):
+        raise ValueError(f"multi_modal_uuids must be {{'audio': [key]}} with one string key (or None) for the "
+                         f"request's one clip, got {uuids!r}")
+    return keys[0] or None
 
 
 class InputProcessor:
@@ -259,7 +274,7 @@ class InputProcessor:
         max_out = self._cap_output(max_tokens, len(prefix))
         enc_len = fe.nb_max_frames // 2
         return ProcessedInput(prompt.get("prompt") or "", [], encoder_input, enc_len, prefix,
-                              len(prefix), max_out, seconds)
+                              len(prefix), max_out, seconds, _audio_uuid(prompt.get("multi_modal_uuids")))
 
     @staticmethod
     def _read_clip(clip) -> tuple[np.ndarray, int]:

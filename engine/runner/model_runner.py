@@ -304,7 +304,10 @@ class ModelRunner:
             self._copy_blocks(so.block_copies)     # before any attention reads or writes them; never in a graph
         if so.encodes:
             self._register(so.encodes)
-            self._run_encoder(so.encodes)
+            # An encoder cache hit's cross blocks already hold its K/V (core/encoder_cache.py).
+            fresh = [e for e in so.encodes if not e.reuses_cross_kv]
+            if fresh:
+                self._run_encoder(fresh)
         if not so.seqs:
             return PendingStep([], None)
         seq_ids = list(map(_SEQ_ID, so.seqs))

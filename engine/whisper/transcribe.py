@@ -24,6 +24,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import math
+import uuid
 from collections.abc import Sequence
 
 import numpy as np
@@ -420,9 +421,12 @@ class _Run:
         previous_ids = self.initial_prompt_ids if previous_ids is None else previous_ids
         hot = [] if prefix_ids else self.hotword_ids          # faster-whisper's: hotwords when no prefix
         prompt = prompt_tokens(self.start_of_prev, hot, previous_ids) if self.start_of_prev is not None else []
+        # A retry decodes the same audio: under one key the engine keeps the first attempt's cross
+        # K/V and the retry skips the encoder.
+        audio_key = f"enc2dec-window-{uuid.uuid4().hex}" if len(o.temperatures) > 1 else None
         for attempt, temperature in enumerate(o.temperatures, start=1):
             ids, stats = await self._attempt(window, t, use_ts, language_known, cap_first_timestamp, prompt,
-                                             forced, temperature)
+                                             forced, temperature, audio_key)
             stats = dataclasses.replace(stats, num_attempts=attempt)
             if not needs_fallback(stats, o):
                 break
@@ -431,7 +435,7 @@ class _Run:
         return WindowTokens(forced + ids, stats)
 
     async def _attempt(self, window, t, use_ts, language_known, cap_first_timestamp, prompt, forced,
-                       temperature) -> tuple[list[int], WindowStats]:
+                       temperature, audio_key: str | None = None) -> tuple[list[int], WindowStats]:
         tok = self.tokens
         detect = t.language is None
         decoder_prompt = prompt + tok.prefix(t.language, self.task, use_ts) + forced
@@ -447,6 +451,8 @@ class _Run:
             prefix_logprob_token_ids=[self.no_speech] if self.no_speech is not None else None,
             prefix_logprob_position=len(prompt))        # right after <|startoftranscript|>
         request = {"prompt_token_ids": decoder_prompt, "multi_modal_data": {"audio": [(window, self.sample_rate)]}}
+        if audio_key is not None:
+            request["multi_modal_uuids"] = {"audio": [audio_key]}
         async with self.request_slots:
             handle = await asyncio.get_running_loop().run_in_executor(
                 self.submitter, functools.partial(self.llm.generate_async, request, params, streaming=detect))
