@@ -16,8 +16,10 @@ Modes (``--modes``, a comma list):
 
 Sampling (``--sampling``, a comma list): ``greedy`` (temperature 0), ``sampled`` (temperature
 0.8, top-p 0.95) and ``seeded`` (the same, each request seeded with its own number). Only the
-runner modes run the sampler (the sampling math on the stub's 64-token logits, the CPU
-reference of the GPU's race kernels); the others differ only in the requests' parameters.
+runner modes run the sampler; the others differ only in the requests' parameters. As the
+model is stubbed, so is the race that draws the tokens (one argmax in place of the GPU's race
+kernels; their CPU reference, some hundred microseconds of tensor math per step here, is
+device work on a GPU): what is left is the sampler's host work. ``--race reference`` runs it.
 
 The fake runner returns a token for every sequence at once; the overlap scheduler is on
 unless ``--no-overlap``. A finished request is replaced at once, as under a steady load,
@@ -29,6 +31,8 @@ steps from a request's add() to its first output token with the host time those 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import itertools
 import time
 from dataclasses import dataclass
@@ -158,6 +162,20 @@ class _CountingRunner:
         return self.runner.launch(so)
 
 
+@contextlib.contextmanager
+def _stubbed_race():
+    """The race kernels' CPU references replaced by one argmax while the block runs."""
+    from enc2dec.engine.runner import sampling_ops
+
+    saved = sampling_ops.gumbel_race_ref, sampling_ops.filtered_race_ref
+    sampling_ops.gumbel_race_ref = sampling_ops.filtered_race_ref = lambda scores, *keys_and_filters: \
+        scores.argmax(dim=-1)
+    try:
+        yield
+    finally:
+        sampling_ops.gumbel_race_ref, sampling_ops.filtered_race_ref = saved
+
+
 def _engine(num_running: int, output_len: int, overlap: bool, runner: str = "fake"):
     """An EngineCore around the fake (or stub-model) runner, built without a model (only the step loop runs)."""
     from enc2dec.engine.engine_core import EngineCore
@@ -236,6 +254,9 @@ def measure(mode: str, num_running: int, num_steps: int, output_len: int, overla
     i_step, host_s = 0, 0.0
     for _ in range(num_running):
         add()
+    # As EngineCore.__init__ does: the long-lived heap frozen, so no full collection lands in a step.
+    gc.collect()
+    gc.freeze()
     total_s = total_seqs = counted = 0
     first_steps, first_s = [], []
     for i_step in range(1, num_steps + 21):
@@ -256,6 +277,7 @@ def measure(mode: str, num_running: int, num_steps: int, output_len: int, overla
             total_s += dt
             total_seqs += runner.num_seqs
             counted += 1
+    gc.unfreeze()
     mean = (lambda xs: sum(xs) / len(xs) if xs else None)
     return Measured(total_s / max(1, counted), total_seqs // max(1, counted), mean(first_steps), mean(first_s))
 
@@ -268,6 +290,9 @@ def main(argv=None) -> None:
     ap.add_argument("--sampling", default="greedy",
                     help="greedy, sampled (temperature 0.8, top-p 0.95), seeded (the same with a seed per "
                          "request): a comma list")
+    ap.add_argument("--race", choices=("stub", "reference"), default="stub",
+                    help="stub: one argmax draws the tokens (the host work alone); reference: the race "
+                         "kernels' CPU reference")
     ap.add_argument("--profile", metavar="FILE", help="write a cProfile of all the runs to FILE")
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--output-len", type=int, default=128)
@@ -294,7 +319,9 @@ def main(argv=None) -> None:
     for mode in a.modes.split(","):
         for n in (int(x) for x in a.running.split(",")):
             for sampling in samplings:
-                m = measure(mode, n, a.steps, a.output_len, not a.no_overlap, clock, sampling, a.lengths == "mixed")
+                with _stubbed_race() if a.race == "stub" else contextlib.nullcontext():
+                    m = measure(mode, n, a.steps, a.output_len, not a.no_overlap, clock, sampling,
+                                a.lengths == "mixed")
                 first = ("-", "-") if m.first_token_steps is None else \
                     (f"{m.first_token_steps:.2f}", f"{m.first_token_s * 1e6:.0f}")
                 print(f"{mode:>9} {sampling:>8} {n:>8} {m.num_seqs:>9} {m.step_s * 1e6:>9.0f} "
