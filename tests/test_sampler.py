@@ -186,3 +186,22 @@ def test_drawing_parameters_reach_the_kernels_16_byte_aligned_at_any_batch_size(
         assert t.is_contiguous() and t.shape == (rows,) and t.data_ptr() % 16 == 0
     assert plan.temperature.tolist() == pytest.approx([0.8] * rows)
     assert min_p.tolist() == pytest.approx([0.01 * (i % 3) for i in range(rows)])
+
+
+def test_one_sampler_over_steps_keeps_seeded_rows_reproducible_as_the_batch_changes():
+    # The sampler keeps a batch's draw plan between steps and stages only the output positions:
+    # a seeded row stepped by one sampler, while neighbours join and leave, must draw what it
+    # draws at each position from its own key (stream words, position) by the race itself.
+    from enc2dec.engine.runner.sampling_ops import race
+
+    me = state(seed=1234, temperature=0.9, top_p=0.95)
+    joining = [state(temperature=1.0), state(seed=7, temperature=1.0, top_k=3), state(temperature=0.0)]
+    sampler, gen, got, want = Sampler(), torch.Generator().manual_seed(5), [], []
+    for pos in range(30):
+        batch = joining[:pos // 8] + [me]             # the same rows for 8 steps, then one more joins
+        logits = (torch.randn(1, 40, generator=gen) * 2).expand(len(batch), -1).contiguous()
+        got.append(sampler.sample(logits, batch, [pos] * len(batch)).output().token_ids[-1])
+        key = torch.tensor([[*me.stream, pos]])
+        filters = (torch.zeros(1, dtype=torch.long), torch.tensor([0.95]), torch.zeros(1), 0)
+        want.append(int(race(logits[:1] / 0.9, key, 1, filters)[0]))
+    assert got == want and len(set(want)) > 5

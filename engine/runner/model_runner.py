@@ -28,7 +28,8 @@ from enc2dec.engine.runner.host_to_device import to_device
 from enc2dec.engine.core.kv_sizing import kv_bytes_per_token, plan_kv_pools
 from enc2dec.engine.runner.loader import load_model
 from enc2dec.engine.core.request import PLACEHOLDER_TOKEN_ID
-from enc2dec.engine.runner.sampler import BeamGroup, DeviceSample, Sampler, SeqSamplingState, all_plain_greedy
+from enc2dec.engine.runner.sampler import (BeamGroup, DeviceSample, Sampler, SeqSamplingState, all_plain_greedy,
+                                           all_simple)
 from enc2dec.engine.runner.sampling_ops import stream_key
 
 logger = logging.getLogger("enc2dec")
@@ -38,6 +39,7 @@ _SEQ_ID = operator.attrgetter("seq_id")
 _INPUTS, _START = operator.attrgetter("input_token_ids"), operator.attrgetter("start_pos")
 _BLOCKS, _CROSS = operator.attrgetter("block_ids"), operator.attrgetter("cross_block_ids")
 _ENC_LEN = operator.attrgetter("encoder_len")
+_NUM_OUT = operator.attrgetter("num_output_tokens")
 
 
 @dataclass
@@ -181,6 +183,9 @@ class ModelRunner:
         self._state_of: dict[int, SeqSamplingState] = {}  # seq_id -> state, for the seqs _register named
         self._prev_tokens: torch.Tensor | None = None     # last step's samples, on the device
         self._prev_rows: dict[int, int] = {}              # seq_id -> row in _prev_tokens
+        # The last step's rows (seq ids) and their (states, all plain greedy, all simple).
+        self._rows_ids: list[int] = []
+        self._rows: tuple[list[SeqSamplingState], bool, bool] = ([], True, True)
         self.graphs = self._maybe_capture(attn_backend, max_input_len)
         self.encoder_graphs = self._maybe_capture_encoder(max_input_len)
 
@@ -319,11 +324,11 @@ class ModelRunner:
             input_ids, positions, meta = self._prepare_decode(so.seqs, fill)
             hidden = self.model.decode(input_ids, positions, meta, self.kv)       # [N, d_model]
             logits = self.model.compute_logits(hidden[meta.last_token_indices])    # [S, vocab]
-        states = list(map(self._state_of.get, seq_ids))
-        if None in states:          # forked beams share their request's state; a TP worker has none
-            states = [st if st is not None else self._sampling_state(s) for st, s in zip(states, so.seqs)]
-        if all_plain_greedy(states):       # no beams, no prefix log-probs, nothing reads the rows' ids
+        states, plain, simple = self._step_states(seq_ids, so.seqs)
+        if plain:           # bare argmax rows: no beams, no prefix log-probs, nothing reads the rows' ids
             sample, beam_ids = self.sampler.sample(logits, states, []), []
+        elif simple:        # nor here; drawing rows need only their output counts (a seeded key's position)
+            sample, beam_ids = self.sampler.sample(logits, states, list(map(_NUM_OUT, so.seqs))), []
         else:
             groups, beam_ids = _beam_groups(so.seqs, states)
             beam_rows = [s for g in groups for s in so.seqs[g.start:g.start + g.num_rows]]
@@ -354,6 +359,18 @@ class ModelRunner:
             setattr(self, name, None)
             if graphs is not None:
                 graphs.release()
+
+    def _step_states(self, seq_ids: list[int], seqs: list[ScheduledSeq]):
+        """The rows' sampling states, whether all are plain greedy and whether all are simple
+        (``sampler.all_simple``): worked out when the rows change, else the last step's (a
+        sequence keeps its state while it lives, and seq ids are never reused)."""
+        if seq_ids == self._rows_ids:
+            return self._rows
+        states = list(map(self._state_of.get, seq_ids))
+        if not all(states):         # forked beams share their request's state; a TP worker has none
+            states = [st if st is not None else self._sampling_state(s) for st, s in zip(states, seqs)]
+        self._rows_ids, self._rows = seq_ids, (states, all_plain_greedy(states), all_simple(states))
+        return self._rows
 
     def _sampling_state(self, s: ScheduledSeq) -> SeqSamplingState:
         per_seq = self.states[s.request_id]

@@ -14,8 +14,11 @@ arrive from the host with the step).
 from __future__ import annotations
 
 import functools
+import itertools
+import operator
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from enc2dec.engine.runner.host_to_device import to_device
@@ -50,6 +53,7 @@ class SeqSamplingState:
     is_random: bool = field(default=False)            # draws (not greedy, not beam search)
     has_filters: bool = field(default=False)          # top-k, top-p or min-p cut its distribution
     float_params: tuple[float, float, float] = field(default=(1.0, 1.0, 0.0))   # temperature, top_p, min_p
+    top_k: int = field(default=0)                     # 0: off
 
     def __post_init__(self):
         # Decided once per request, not in every step.
@@ -69,15 +73,44 @@ class SeqSamplingState:
         self.has_filters = bool(p.top_k or p.top_p not in (None, 1.0) or p.min_p)
         self.float_params = (p.temperature if p.temperature is not None else 1.0,
                              p.top_p if p.top_p is not None else 1.0, p.min_p or 0.0)
+        self.top_k = p.top_k or 0
 
 
-def _is_simple(st: SeqSamplingState | None) -> bool:
-    return st is not None and st.simple
+# Per-row fields read with map(): one C-level pass over the batch, not a Python loop per row.
+_PLAIN, _SIMPLE = operator.attrgetter("plain_greedy"), operator.attrgetter("simple")
+_IS_RANDOM, _STREAM = operator.attrgetter("is_random"), operator.attrgetter("stream")
+_FLOATS, _TOP_K, _HAS_FILTERS = (operator.attrgetter(name) for name in ("float_params", "top_k", "has_filters"))
 
 
 def all_plain_greedy(states: list[SeqSamplingState]) -> bool:
     """Whether every row is a bare argmax (None: a tensor-parallel worker's row, never sampled)."""
-    return all(st is not None and st.plain_greedy for st in states)
+    return all(states) and all(map(_PLAIN, states))      # all(states): no None (a state is always true)
+
+
+def all_simple(states: list[SeqSamplingState]) -> bool:
+    """Whether every row needs only its choice (a bare argmax or a plain draw): no beams, masks,
+    rules, penalties, logprobs or prefix log-probs, so a step needs nothing of the rows but
+    their states and output counts."""
+    return all(states) and all(map(_SIMPLE, states))
+
+
+def _same_rows(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(map(operator.is_, a, b))
+
+
+class _Batch:
+    """What the sampler needs to know of a step's rows, worked out once and kept while the
+    batch holds the same requests in the same rows (most steps of a steady batch): a steady
+    step then costs one identity pass over the rows, at C speed."""
+
+    def __init__(self, states: list[SeqSamplingState]):
+        self.states = list(states)
+        self.plain = all_plain_greedy(states)
+        self.simple = self.plain or all_simple(states)
+        self.drawing = list(itertools.compress(range(len(states)), map(_IS_RANDOM, states))) if all(states) \
+            else [r for r, st in enumerate(states) if st is not None and st.is_random]
+        self.no_logprobs = [None] * len(states)      # DeviceSample.want of a step that asks none (read only)
+        self.plan: _DrawPlan | None = None           # made at the first step that draws
 
 
 @dataclass
@@ -287,12 +320,19 @@ def _beam_candidates(logits: torch.Tensor, states: list[SeqSamplingState], num_o
 class Sampler:
     def __init__(self):
         self.history: TokenHistory | None = None      # made when a rule that reads it first appears
-        self._plan: _DrawPlan | None = None
+        self._batch: _Batch | None = None             # the last step's rows
 
     def release(self, seq_ids) -> None:
         """Forget finished sequences' device-side histories."""
         if self.history is not None:
             self.history.release(seq_ids)
+
+    def batch(self, states: list[SeqSamplingState]) -> _Batch:
+        """The step's rows as the sampler sees them; kept while they are the last step's."""
+        batch = self._batch
+        if batch is None or not _same_rows(batch.states, states):
+            batch = self._batch = _Batch(states)
+        return batch
 
     def sample(self, logits: torch.Tensor, states: list[SeqSamplingState], num_output_tokens: list[int],
                beam_groups: list[BeamGroup] = (), beam_scores: list[float] = (),
@@ -302,27 +342,25 @@ class Sampler:
         ``histories``: each row's output ids where its request's Python processors read them
         (else None); ``seq_ids`` name the rows for the device-side history of batched rules."""
         # logits: [S, V] float32; num_output_tokens: tokens each row has produced so far
-        if not beam_groups and all_plain_greedy(states):
-            return DeviceSample(logits.argmax(dim=-1), [None] * len(states))
-        if not beam_groups and all(map(_is_simple, states)):     # the common step: only the choice
-            sampled = [r for r, st in enumerate(states) if st.is_random]
-            if not sampled:
-                return DeviceSample(logits.argmax(dim=-1), [None] * len(states))
+        batch = self.batch(states)
+        if not beam_groups and batch.simple:        # the common step: only the choice
+            if not batch.drawing:
+                return DeviceSample(logits.argmax(dim=-1), batch.no_logprobs)
             # A batch that only draws needs no argmax: every row is overwritten by its draw.
-            chosen = logits.argmax(dim=-1) if len(sampled) < len(states) else None     # [S]
-            return DeviceSample(self._sample(logits, chosen, states, num_output_tokens, sampled),
-                                [None] * len(states))
+            chosen = logits.argmax(dim=-1) if len(batch.drawing) < len(states) else None     # [S]
+            return DeviceSample(self._sample(logits, chosen, batch, num_output_tokens), batch.no_logprobs)
         histories = histories if histories is not None else [None] * len(states)
         beams = None
         if beam_groups:
             beams = _beam_candidates(logits, states, num_output_tokens, list(beam_groups), list(beam_scores),
                                      histories)
-        sample = self._choose(logits, states, num_output_tokens, histories, seq_ids)
+        sample = self._choose(logits, batch, num_output_tokens, histories, seq_ids)
         sample.beams = beams
         return sample
 
-    def _choose(self, logits: torch.Tensor, states: list[SeqSamplingState], num_output_tokens: list[int],
+    def _choose(self, logits: torch.Tensor, batch: _Batch, num_output_tokens: list[int],
                 histories: list[list[int] | None], seq_ids: list[int] | None) -> DeviceSample:
+        states = batch.states
         model_logits = logits      # every edit below makes a fresh tensor; this one stays as it was
         # Beam rows run every rule in _beam_candidates, over each beam's own history.
         by_rule, recorded = _batched_rules(states)
@@ -356,9 +394,8 @@ class Sampler:
             logits = _apply_logits_processors(logits, states, num_output_tokens, processed, histories,
                                               owned=logits is not model_logits)
         chosen = logits.argmax(dim=-1)                                      # [S]
-        sampled = [r for r, st in enumerate(states) if st.is_random]      # beams: no RNG
-        if sampled:
-            chosen = self._sample(logits, chosen, states, num_output_tokens, sampled)
+        if batch.drawing:                                                   # beams: no RNG
+            chosen = self._sample(logits, chosen, batch, num_output_tokens)
         if recorded:
             picked = chosen if recorded == list(range(len(states))) else \
                 chosen.index_select(0, to_device(recorded, torch.long, chosen.device))
@@ -374,50 +411,66 @@ class Sampler:
         vals, ids = logp.topk(top, dim=-1)                                  # [S, top]
         return DeviceSample(chosen, want, chosen_lp, ids, vals)
 
-    def _sample(self, logits: torch.Tensor, chosen: torch.Tensor | None, states: list[SeqSamplingState],
-                num_output_tokens: list[int], rows: list[int]) -> torch.Tensor:
-        """``chosen`` with ``rows`` (those that sample) replaced by random draws; ``chosen`` may
-        be None when ``rows`` are all the rows."""
+    def _sample(self, logits: torch.Tensor, chosen: torch.Tensor | None, batch: _Batch,
+                num_output_tokens: list[int]) -> torch.Tensor:
+        """``chosen`` with the batch's drawing rows replaced by random draws; ``chosen`` may be
+        None when every row draws."""
         # logits: [S, V]; chosen: [S] int64
         dev = logits.device
-        plan = self._plan
-        if plan is None or plan.dev != dev or len(plan.states) != len(states) or plan.rows != rows \
-                or any(a is not b for a, b in zip(plan.states, states)):
-            plan = self._plan = _DrawPlan(states, rows, dev)
-        whole = plan.idx is None
-        sub = logits if whole else logits.index_select(0, plan.idx)             # [R, V]
-        keys = plan.no_keys
-        if plan.seeded:
-            keys = to_device([(*states[r].stream, num_output_tokens[r]) for r in plan.seeded], torch.long, dev)
-        sub = sub.float() / plan.temperature[:, None]
-        drawn = race(sub, keys, len(plan.seeded), plan.filters)                # [R]
-        if whole:
+        plan = batch.plan
+        if plan is None or plan.dev != dev:
+            plan = batch.plan = _DrawPlan(batch.states, batch.drawing, dev)
+        sub = logits if plan.idx is None else logits.index_select(0, plan.idx)     # [R, V]
+        keys, num_seeded = plan.keys(num_output_tokens)
+        drawn = race(sub.float() / plan.divisor, keys, num_seeded, plan.filters)   # [R]
+        if plan.idx is None:
             return drawn
-        if chosen is None:                 # every row draws, seeded ones first: put them back in place
-            return torch.empty_like(drawn).index_copy_(0, plan.idx, drawn)
         return chosen.index_copy(0, plan.idx, drawn)
 
 
 class _DrawPlan:
-    """The drawing rows' parameters on the device, staged once and kept while the batch holds
-    the same requests in the same rows (most steps of a steady batch): a step then stages only
-    its seeded rows' positions. Holds the states, so no row's id can be reused while cached."""
+    """The drawing rows' parameters on the device, staged once per batch composition (one copy
+    of each kind, built with C-level passes over the rows); a step then stages only the
+    seeded rows' keys, whose last word is the row's output position."""
 
     def __init__(self, states: list[SeqSamplingState], rows: list[int], dev: torch.device):
-        self.states, self.rows, self.dev = list(states), list(rows), dev
-        self.seeded = [r for r in rows if states[r].stream is not None]
-        order = self.seeded + [r for r in rows if states[r].stream is None]     # seeded rows first
-        self.idx = None if order == list(range(len(states))) else to_device(order, torch.long, dev)
-        picked = [states[r] for r in order]
+        self.dev, n = dev, len(rows)
+        self.idx = None if n == len(states) else to_device(rows, torch.long, dev)
+        self.rows = None if self.idx is None else np.asarray(rows, np.int64)
+        picked = states if self.idx is None else [states[r] for r in rows]
         # One staged copy, each parameter a contiguous row padded to 16 bytes: Triton compiles a
         # kernel variant per pointer alignment, so a row starting mid-line (R % 4 != 0) would
         # compile a second one, a stall of about a second, at the first such batch size.
-        n, pad = len(picked), -len(picked) % 4
-        cols = [list(c) + [0.0] * pad for c in zip(*(st.float_params for st in picked))]
-        floats = to_device(cols, torch.float32, dev)[:, :n]                      # [3, R] of rows 16-byte aligned
-        self.temperature = floats[0]
+        cols = np.zeros((3, n + -n % 4), np.float32)
+        cols[:, :n] = np.array(list(map(_FLOATS, picked)), np.float32).reshape(n, 3).T
+        floats = to_device(cols, torch.float32, dev)[:, :n]                  # [3, R] of rows 16-byte aligned
+        self.temperature = floats[0]                                         # [R]
+        self.divisor = self.temperature[:, None]                             # [R, 1], made once
         self.filters = None
-        if any(st.has_filters for st in picked):                           # decided on the host
-            top_k = to_device([st.params.top_k or 0 for st in picked], torch.long, dev)
-            self.filters = (top_k, floats[1], floats[2], max(st.params.top_k or 0 for st in picked))
+        if any(map(_HAS_FILTERS, picked)):                                   # decided on the host
+            top_k = np.fromiter(map(_TOP_K, picked), np.int64, n)
+            self.filters = (to_device(top_k, torch.long, dev), floats[1], floats[2], int(top_k.max()))
+        # Seeded rows: their stream words, and a step's output positions beside them. Every row
+        # then passes a key, so the race needs no reordering; unseeded rows beside seeded ones
+        # take fresh device-drawn words, chosen by a mask staged here.
+        streams = list(map(_STREAM, picked))
+        self.seeded_words = None
+        self.unseeded = None
+        if any(streams):
+            self.seeded_words = np.array([st or (0, 0) for st in streams], np.int64).reshape(n, 2)
+            if not all(streams):
+                self.unseeded = to_device([st is None for st in streams], torch.bool, dev)[:, None]   # [R, 1]
         self.no_keys = torch.empty(0, 3, dtype=torch.long, device=dev)
+
+    def keys(self, num_output_tokens: list[int]) -> tuple[torch.Tensor, int]:
+        """The race's keys for this step and how many rows they cover (the rest draw fresh ones)."""
+        if self.seeded_words is None:
+            return self.no_keys, 0
+        n = self.seeded_words.shape[0]
+        host = np.empty((n, 3), np.int64)
+        host[:, :2] = self.seeded_words
+        host[:, 2] = num_output_tokens if self.rows is None else np.asarray(num_output_tokens, np.int64)[self.rows]
+        keys = to_device(host, torch.long, self.dev)                         # [R, 3]
+        if self.unseeded is not None:
+            keys = torch.where(self.unseeded, torch.randint(0, 1 << 32, (n, 3), device=self.dev), keys)
+        return keys, n
