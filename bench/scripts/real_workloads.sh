@@ -9,9 +9,14 @@
 #            against sampled's greedy in-process figure
 #   stream   flan-t5-large greedy in-process with --streaming: what a stream costs the engine
 #            itself, the in-process side of serve's figure
+#   warm     a short flan-t5-large run first, not compared: a freshly started machine stalls its first
+#            run's first tokens (docs/benchmarks.md, Run O)
+#   desync   flan-t5-large greedy with output lengths spread (--output-dist uniform), in-process and
+#            through serve (auto): the same workload without the synchronised waves of fixed lengths
 #   fast     whisper-large-v3-turbo at C=64 and flan-t5-base at C=256, each against hf-compile
 #            (turbo: the first of the two only; turbo-unbounded: turbo again without the
-#            one-clip-per-decoding-step encoder budget, no baseline)
+#            one-clip-per-decoding-step encoder budget, no baseline; turbo-budgets: the budgets in
+#            TURBO_BUDGETS, encoder tokens per decoding step)
 #   fp8      whisper-large-v3 (and flan-t5-large) at C=64 with --kv-cache-dtype fp8, against the
 #            same runs with bf16 KV (wh-plain, t5-greedy: run those sections in the same call)
 #   itl      the encoder budget of decoding steps (tuning.encoder_tokens_while_decoding): whisper-large-v3
@@ -127,10 +132,20 @@ for section in $SECTIONS; do
   t5)
     run t5-greedy $LIMIT $T5RUN
     run t5-sampled $LIMIT $T5RUN --temperature 0.8 --top-p 0.95 ;;
+  warm)     # a throwaway first run: a machine that has just started stalls its first run's first tokens
+    run warm-t5 $LIMIT --model $T5L $COMMON $TXT --concurrency $C --num-requests $C ;;
   stream) run t5-stream $LIMIT $T5RUN --streaming ;;
+  desync)   # output lengths spread (uniform, +-25%): requests stop arriving in waves, in-process and over HTTP
+    run t5-desync $LIMIT $T5RUN --output-dist uniform
+    TXT_SAVED=$TXT; TXT="$TXT --output-dist uniform"; SERVE_TAG=-desync serve_bench auto; TXT=$TXT_SAVED ;;
   turbo-unbounded)
     RUN_ENV=ENC2DEC_ENCODER_TOKENS_WHILE_DECODING=8192 run turbo-unbounded $LIMIT --model $WHT $COMMON $AUD \
         --concurrency $C --num-requests $NUM ;;
+  turbo-budgets)   # turbo with encoder budgets between one clip per decoding step and unbounded
+    for b in ${TURBO_BUDGETS:-3000 4500}; do
+      RUN_ENV=ENC2DEC_ENCODER_TOKENS_WHILE_DECODING=$b run turbo-enc$b $LIMIT --model $WHT $COMMON $AUD \
+          --concurrency $C --num-requests $NUM
+    done ;;
   turbo)
     run turbo-hfc ${FAST_LIMIT_S:-$((LIMIT * 2))} --model $WHT $COMMON $AUD --concurrency $C --num-requests $NUM \
         --baseline $FASTBASE ;;
@@ -208,6 +223,8 @@ rows = [
     ("  --api-processes auto (the default)", ratio(level("http-stream-aauto"), level("t5-greedy")), 0.90),
     ("  auto / in-process --streaming", ratio(level("http-stream-aauto"), level("t5-stream")), 0.90),
     ("in-process --streaming / greedy", ratio(level("t5-stream"), level("t5-greedy")), 0.90),
+    ("serve / in-process, lengths spread", ratio(level("http-stream-aauto-desync"), level("t5-desync")), 0.90),
+    ("in-process lengths spread / fixed", ratio(level("t5-desync"), level("t5-greedy")), 1.0),
     ("turbo unbounded encoder / turbo", ratio(level("turbo-unbounded"), level("turbo-hfc", conc=c)), 1.0),
     ("whisper fp8 KV / bf16 KV", ratio(level("wh-fp8"), level("wh-plain")), 12000 / 9000),
     ("t5 fp8 KV / bf16 KV", ratio(level("t5-fp8"), level("t5-greedy")), 1.0),
