@@ -9,6 +9,8 @@ Modes (``--modes``, a comma list):
              stop rules, finished outputs), for non-streamed requests (LLM.generate's path)
   stream     the same with every request streamed and detokenised each step (a fake
              tokenizer: this measures the engine's work, not a tokenizer's)
+  child      stream mode as the engine process runs it: outputs as deltas
+             (make_request(deltas=True)) and each step's message pickled as its writer does
   runner     engine mode with the REAL ModelRunner.launch/wait around a stubbed model on the CPU:
              adds the runner's host staging (sampling states, placeholder sources, the decode
              graph's staging buffers, sampler staging, output unpacking); no kernels run
@@ -247,10 +249,19 @@ def measure(mode: str, num_running: int, num_steps: int, output_len: int, overla
         def add():
             i = next(ids)
             req = _request(i, length(i), sampling)
-            core.add(_track(core, req, streaming=mode == "stream"))
+            tracked = _track(core, req, streaming=mode in ("stream", "child"))
+            tracked.deltas = mode == "child"
+            core.add(tracked)
             added[req.request_id] = (i_step, host_s)
 
         step = core.step
+        if mode == "child":
+            from enc2dec.engine.engine_process import _dumps
+
+            def step():
+                outputs = core.step()
+                _dumps(("out", outputs, {}))
+                return outputs
 
     i_step, host_s = 0, 0.0
     for _ in range(num_running):
@@ -287,7 +298,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--running", default="64,128,256", help="running sequences, a comma list")
     ap.add_argument("--modes", default="scheduler,engine,stream,runner,eager",
-                    help="scheduler, engine, stream, runner, eager: a comma list")
+                    help="scheduler, engine, stream, child, runner, eager: a comma list")
     ap.add_argument("--sampling", default="greedy",
                     help="greedy, sampled (temperature 0.8, top-p 0.95), seeded (the same with a seed per "
                          "request): a comma list")
