@@ -10,7 +10,7 @@ import pytest
 import soundfile as sf
 from enc2dec.cli.main import app
 from enc2dec.engine.whisper.longform import Piece, unheard_from
-from enc2dec.engine.whisper.vad import VadWindow, pack_tails, pack_windows, tail_spans_s
+from enc2dec.engine.whisper.vad import VadWindow, pack_windows
 from typer.testing import CliRunner
 
 SR = 16000
@@ -46,29 +46,6 @@ def test_unheard_from_only_when_words_stop_early():
     assert unheard_from(pieces, 20.0) == 9.0                  # 11 s that only this window hears, unheard
     assert unheard_from(pieces, 9.5) is None                  # ends with the audio (within the gap)
     assert unheard_from([], 20.0) is None                     # heard nothing at all: silence or noise
-
-
-def test_a_clipped_window_is_the_rest_of_its_audio_as_file_regions():
-    w = VadWindow(((10 * SR, 14 * SR), (30 * SR, 36 * SR)))
-    wave = np.arange(40 * SR, dtype=np.float32)
-    for from_s in (0.0, 2.5, 4.0, 7.25):
-        tail = w.clip(from_s, SR)
-        assert np.array_equal(tail.audio(wave), w.audio(wave)[int(from_s * SR):]), from_s
-    assert w.clip(2.5, SR).regions == ((int(12.5 * SR), 14 * SR), (30 * SR, 36 * SR))
-    assert w.clip(5.0, SR).regions == ((31 * SR, 36 * SR),)
-    assert w.clip(10.0, SR) is None
-
-
-def test_tails_pack_into_one_window_apart_by_silence_at_the_seconds_given():
-    a = VadWindow(((10 * SR, 14 * SR),))
-    b = VadWindow(((50 * SR, 52 * SR), (60 * SR, 63 * SR)))
-    wave = np.arange(1, 70 * SR + 1, dtype=np.float32)          # no zeros of its own
-    audio = pack_tails([a, b], wave, gap_samples=SR)
-    opens_s, ends_s = tail_spans_s([a, b], SR, SR)
-    assert (opens_s, ends_s) == ([0.0, 5.0], [4.0, 10.0])
-    assert len(audio) == 10 * SR
-    assert np.array_equal(audio[:4 * SR], a.audio(wave)) and not audio[4 * SR:5 * SR].any()
-    assert np.array_equal(audio[5 * SR:], b.audio(wave))
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ tokenizer. Timestamp tokens follow ``<|notimestamps|>``: ``<|0.00|>``, ``<|0.02|
 """
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 
@@ -45,12 +44,6 @@ class WhisperTokens:
     @property
     def has_timestamps(self) -> bool:
         return self.timestamp_begin + NUM_TIMESTAMP_TOKENS <= self.vocab_size
-
-    def timestamps_from(self, seconds: float) -> list[int]:
-        """The timestamp tokens at or after ``seconds`` into the window."""
-        first = max(int(math.ceil(seconds / TIME_PRECISION_S - 1e-6)), 0)
-        return list(range(self.timestamp_begin + min(first, NUM_TIMESTAMP_TOKENS),
-                          self.timestamp_begin + NUM_TIMESTAMP_TOKENS))
 
     @classmethod
     def from_generation_config(cls, gen, vocab_size: int, tokenizer=None) -> WhisperTokens:

@@ -30,27 +30,21 @@ from collections.abc import Sequence
 import numpy as np
 
 from enc2dec.engine.whisper.audio import AudioError, load_audio, probe_duration_s, resample, to_mono
-from enc2dec.engine.whisper.longform import (CHUNK_OVERLAP_S, MIN_WINDOW_S, RETRY_GAP_S, WINDOW_S, Merged, Piece,
-                                             chunk_windows, closed_pieces, merge_chunk, merged_pieces, monotonic,
-                                             parse_window, unheard_from)
+from enc2dec.engine.whisper.longform import (CHUNK_OVERLAP_S, MIN_WINDOW_S, WINDOW_S, Merged, Piece, chunk_windows,
+                                             closed_pieces, merge_chunk, merged_pieces, monotonic, parse_window,
+                                             unheard_from)
 from enc2dec.engine.sampling_params import SamplingParams
 from enc2dec.engine.whisper.decoding import (MAX_PROMPT_TOKENS, DecodeOptions, WindowStats, avg_logprob, best_sample,
                                              compression_ratio, is_no_speech, kept_tokens, needs_fallback,
                                              next_previous_ids, prompt_tokens, temperatures)
 from enc2dec.engine.whisper.results import Segment, Transcript, TranscribeProgress
-from enc2dec.engine.whisper.tokens import (MAX_INITIAL_TIMESTAMP_INDEX, TIME_PRECISION_S, decoding_rules,
-                                          engine_whisper_info)
-from enc2dec.engine.whisper.vad import (VadWindow, check_available, pack_tails, pack_windows, speech_regions,
-                                       tail_spans_s)
+from enc2dec.engine.whisper.tokens import MAX_INITIAL_TIMESTAMP_INDEX, decoding_rules, engine_whisper_info
+from enc2dec.engine.whisper.vad import check_available, pack_windows, speech_regions
 
 STRATEGIES = ("vad", "chunked", "sequential")
 DEFAULT_STRATEGY = "vad"
 TASKS = ("transcribe", "translate")
 MAX_WINDOW_TOKENS = 224          # per window, as the original Whisper: half the decoder context
-# Tails packed into one window lie this far apart, in silence: each then opens after a pause,
-# and the next one's first timestamp falls clear of the end of the one before.
-TAIL_GAP_S = 1.0
-TAIL_END_S = 0.3                 # of a tail's 0.4 s end pad (vad.SPEECH_PAD_MS): no words start there
 
 
 class _DecodeError(RuntimeError):
@@ -180,7 +174,6 @@ class _Run:
         self._rules: dict[tuple, tuple[list, int]] = {}
         self._set_decoding(options)
         self.aligner = None           # a WordAligner when word timestamps are asked
-        self.tail_gap_samples = int(round(TAIL_GAP_S * self.sample_rate))
 
     # ---- one file --------------------------------------------------------------------------
     async def file(self, name: str, source, duration: float | AudioError) -> Transcript:
@@ -320,72 +313,22 @@ class _Run:
         use_ts = self.timestamps or len(wave) > self.window_samples
         heard = [w.regions[-1][1] for w in plan]
         new_audio_s = [(heard[i] - (heard[i - 1] if i else 0)) / sr for i in range(len(plan))]
-        # The unheard tails of windows whose words stopped early, waiting to be decoded together:
-        # a tail is a few seconds, and a window of them costs one encoder pass where one window
-        # per tail cost one each. A full pack decodes at once; the rest when the first pass is done.
-        waiting: list[VadWindow] = []
-        tail_pieces: list[Piece] = []
 
-        async def parse_and_keep_tail(i: int, ids) -> list[Piece]:
-            pieces = parse_window(ids, self.tokens.eot, self.tokens.timestamp_begin, 0.0, len(windows[i]) / sr,
-                                  use_ts, ids.stats).pieces
-            r = unheard_from(pieces, len(windows[i]) / sr) if use_ts else None
-            tail = plan[i].clip(r, sr) if r is not None else None
-            if tail is not None:
-                if sum(w.num_samples + self.tail_gap_samples for w in waiting) + tail.num_samples > \
-                        self.window_samples:
-                    full = waiting[:]
-                    waiting[:] = [tail]
-                    tail_pieces.extend(await self._decode_tails(wave, full, t))
-                else:
-                    waiting.append(tail)
-            return pieces
+        async def parse_and_retry(i: int, ids) -> tuple[list[Piece], list[Piece] | None]:
+            audio = windows[i]
+            pieces = parse_window(ids, self.tokens.eot, self.tokens.timestamp_begin, 0.0, len(audio) / sr, use_ts,
+                                  ids.stats).pieces
+            r = unheard_from(pieces, len(audio) / sr) if use_ts else None
+            return pieces, None if r is None else await self._retry_one(audio[int(r * sr):], r, t)
 
         # Every window opens at a speech onset (plus the pad), so its first timestamp comes early.
-        parsed = await self._decode_windows(windows, t, use_ts, new_audio_s, [True] * len(plan),
-                                            then=parse_and_keep_tail)
-        if waiting:
-            tail_pieces.extend(await self._decode_tails(wave, waiting, t))
-        pieces = [Piece(*w.span_to_file_s(p.start_s, p.end_s, sr), p.token_ids, p.stats)
-                  for w, window_pieces in zip(plan, parsed) for p in window_pieces]
-        # A tail's text follows its window's (it starts where those words stopped) and precedes the
-        # next window's; the sort is stable, so equal starts keep the first pass first.
-        return sorted(pieces + tail_pieces, key=lambda p: p.start_s)
-
-    async def _decode_tails(self, wave: np.ndarray, tails: list[VadWindow], t: Transcript,
-                            retry: bool = True) -> list[Piece]:
-        """The pieces, in file seconds, of ``tails`` (at most a window of audio together): one
-        window holds them all (one encoder pass), and each tail is decoded from it as a request of
-        its own, from its start to its end, so no tail's text is conditioned on another's. With
-        ``retry``, the tails whose words stop early again are decoded once more the same way."""
-        sr = self.sample_rate
-        tails = sorted(tails, key=lambda w: w.regions[0][0])
-        audio = pack_tails(tails, wave, self.tail_gap_samples)
-        opens_s, ends_s = tail_spans_s(tails, self.tail_gap_samples, sr)
-        key = f"enc2dec-tails-{uuid.uuid4().hex}"
-        tb = self.tokens.timestamp_begin
-
-        async def one(k: int) -> list[Piece]:
-            # The first tail opens the window as any window does; a later one opens at its own start,
-            # and each stops at a timestamp in its last TAIL_END_S, where only the pad is left.
-            open_at = None if k == 0 else tb + int(round(opens_s[k] / TIME_PRECISION_S))
-            stop = self.tokens.timestamps_from(ends_s[k] - TAIL_END_S)
-            ids = await self._decode(audio, t, True, audio_key=key, open_at=open_at, stop_ids=stop)
-            pieces = parse_window(ids, self.tokens.eot, tb, 0.0, len(audio) / sr, True, ids.stats).pieces
-            return [Piece(max(p.start_s, opens_s[k]) - opens_s[k], min(p.end_s, ends_s[k]) - opens_s[k], p.token_ids,
-                          p.stats) for p in pieces]
-
-        # The first request encodes the window; the others wait for it and decode from its cross K/V.
-        first = await one(0)
-        local = [first] + list(await asyncio.gather(*(one(k) for k in range(1, len(tails)))))
-        out = [Piece(*tail.span_to_file_s(p.start_s, p.end_s, sr), p.token_ids, p.stats)
-               for tail, pieces in zip(tails, local) for p in pieces]
-        if retry:
-            unheard = [(tail, unheard_from(pieces, tail.num_samples / sr)) for tail, pieces in zip(tails, local)]
-            again = [c for tail, r in unheard if r is not None and (c := tail.clip(r, sr)) is not None]
-            if again:
-                out += await self._decode_tails(wave, again, t, retry=False)
-        return out
+        results = await self._decode_windows(windows, t, use_ts, new_audio_s, [True] * len(plan), then=parse_and_retry)
+        parsed, retried = [p for p, _ in results], [r for _, r in results]
+        pieces = []
+        for w, window_pieces, extra in zip(plan, parsed, retried):
+            pieces += [Piece(*w.span_to_file_s(p.start_s, p.end_s, sr), p.token_ids, p.stats)
+                       for p in window_pieces + (extra or [])]
+        return pieces
 
     async def _retry_one(self, audio: np.ndarray, start_s: float, t: Transcript) -> list[Piece]:
         """The pieces of ``audio`` (starting ``start_s`` into the file or window) decoded once more
@@ -464,8 +407,7 @@ class _Run:
 
     async def _decode(self, window: np.ndarray, t: Transcript, use_ts: bool,
                       language_known: asyncio.Future | None = None, cap_first_timestamp: bool = True,
-                      previous_ids: list[int] | None = None, audio_key: str | None = None,
-                      open_at: int | None = None, stop_ids: list[int] | None = None) -> "WindowTokens":
+                      previous_ids: list[int] | None = None) -> "WindowTokens":
         """The window's output ids after the forced tokens, with its stats; empty when it is
         judged silence. ``previous_ids``: the text to prompt with (None: the initial prompt, as
         windows decoded side by side have no previous text). Each temperature tried is one
@@ -476,18 +418,15 @@ class _Run:
         prefix_ids = self.prefix_ids if first else []
         # With timestamps the prefix opens the first segment at <|0.00|>.
         forced = ([self.tokens.timestamp_begin] if use_ts and prefix_ids else []) + prefix_ids
-        if open_at is not None:
-            forced = [open_at] + forced
         previous_ids = self.initial_prompt_ids if previous_ids is None else previous_ids
         hot = [] if prefix_ids else self.hotword_ids          # faster-whisper's: hotwords when no prefix
         prompt = prompt_tokens(self.start_of_prev, hot, previous_ids) if self.start_of_prev is not None else []
         # A retry decodes the same audio: under one key the engine keeps the first attempt's cross
         # K/V and the retry skips the encoder.
-        if audio_key is None and len(o.temperatures) > 1:
-            audio_key = f"enc2dec-window-{uuid.uuid4().hex}"
+        audio_key = f"enc2dec-window-{uuid.uuid4().hex}" if len(o.temperatures) > 1 else None
         for attempt, temperature in enumerate(o.temperatures, start=1):
             ids, stats = await self._attempt(window, t, use_ts, language_known, cap_first_timestamp, prompt,
-                                             forced, temperature, audio_key, stop_ids)
+                                             forced, temperature, audio_key)
             stats = dataclasses.replace(stats, num_attempts=attempt)
             if not needs_fallback(stats, o):
                 break
@@ -496,13 +435,12 @@ class _Run:
         return WindowTokens(forced + ids, stats)
 
     async def _attempt(self, window, t, use_ts, language_known, cap_first_timestamp, prompt, forced,
-                       temperature, audio_key: str | None = None,
-                       stop_ids: list[int] | None = None) -> tuple[list[int], WindowStats]:
+                       temperature, audio_key: str | None = None) -> tuple[list[int], WindowStats]:
         tok = self.tokens
         detect = t.language is None
         decoder_prompt = prompt + tok.prefix(t.language, self.task, use_ts) + forced
         processors, begin = self._processors(detect, use_ts, cap_first_timestamp,
-                                             forced[0] if use_ts and forced else None)
+                                             tok.timestamp_begin if use_ts and forced else None)
         beam = temperature == 0 and self.beam_size > 1
         sampled = temperature > 0
         params = SamplingParams(
@@ -511,8 +449,7 @@ class _Run:
             detokenize=False, logits_processors=processors or None, use_beam_search=beam,
             best_of=self.beam_size if beam else None, logprobs=0,
             prefix_logprob_token_ids=[self.no_speech] if self.no_speech is not None else None,
-            prefix_logprob_position=len(prompt),        # right after <|startoftranscript|>
-            stop_token_ids=stop_ids)
+            prefix_logprob_position=len(prompt))        # right after <|startoftranscript|>
         request = {"prompt_token_ids": decoder_prompt, "multi_modal_data": {"audio": [(window, self.sample_rate)]}}
         if audio_key is not None:
             request["multi_modal_uuids"] = {"audio": [audio_key]}

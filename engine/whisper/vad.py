@@ -1,7 +1,5 @@
 """The vad strategy's plan: speech regions from Silero VAD, packed into windows of at most
-30 s of speech, and the map from a window's seconds back to the file's. The same for the
-tails of windows whose words stopped early: several tails packed into one window, and its
-segments given back to the tail each belongs to.
+30 s of speech, and the map from a window's seconds back to the file's.
 
 Silence between regions is left out of the windows, so the model never decodes a window
 that holds no speech (where Whisper invents text) and a window carries up to 30 s of
@@ -62,33 +60,6 @@ class VadWindow:
         if behind and end_s - behind[-1] < SEAM_SNAP_S:
             end_s = float(behind[-1])
         return self.to_file_s(start_s, sample_rate), self.to_file_s(end_s, sample_rate, is_end=True)
-
-    def clip(self, from_s: float, sample_rate: int) -> VadWindow | None:
-        """The window's audio from ``from_s`` (window seconds) on, as regions of the file; None
-        when nothing is left."""
-        skip = int(from_s * sample_rate)        # the sample ``audio(wave)[skip:]`` starts at
-        regions = []
-        for s, e in self.regions:
-            if skip < e - s:
-                regions.append((s + max(skip, 0), e))
-            skip -= e - s
-        return VadWindow(tuple(regions)) if regions else None
-
-
-# ---- tails: the audio windows closed early on, packed into shared windows ---------------------
-def pack_tails(tails: list[VadWindow], wave: np.ndarray, gap_samples: int) -> np.ndarray:
-    """One window's audio: the tails (in file order, at most a window together) apart by
-    ``gap_samples`` of silence, so each opens after a pause as it would alone (with none,
-    Whisper heard the cut-off word a tail may open with as part of the tail before it)."""
-    gap = np.zeros(gap_samples, dtype=wave.dtype)
-    return np.concatenate([x for k, tail in enumerate(tails) for x in ([gap] if k else []) + [tail.audio(wave)]])
-
-
-def tail_spans_s(tails: list[VadWindow], gap_samples: int, sample_rate: int) -> tuple[list[float], list[float]]:
-    """Where each tail starts and ends in ``pack_tails(tails, wave, gap_samples)``, in seconds."""
-    opens = np.cumsum([0] + [t.num_samples + gap_samples for t in tails])[:-1]     # [num_tails] samples
-    return ([float(o) / sample_rate for o in opens],
-            [float(o + t.num_samples) / sample_rate for o, t in zip(opens, tails)])
 
 
 def pack_windows(regions: list[tuple[int, int]], max_samples: int) -> list[VadWindow]:
