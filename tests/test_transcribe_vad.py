@@ -143,6 +143,29 @@ def test_vad_segments_land_on_the_speech_in_the_file(real_whisper, real_tiny_llm
 
 
 @pytest.mark.real
+def test_a_vad_window_decodes_to_the_end_of_its_speech_in_one_request(real_whisper, real_tiny_llm):
+    import jiwer
+    from enc2dec.engine.whisper.transcribe import transcribe
+    from enc2dec.engine.whisper.vad import speech_regions
+    from transformers.models.whisper.english_normalizer import EnglishTextNormalizer
+
+    # Clips 0.4-0.9 s apart (the opening of longform_wer.py's shuffle_300s): left to itself,
+    # tiny.en closes the first window with its last sentence unheard.
+    plan = [(5, 0.0), (1, 3.47), (2, 6.82), (0, 13.0), (3, 20.68), (4, 27.31), (1, 31.1), (0, 34.48), (4, 42.28)]
+    wave, spans, refs = _placed(real_whisper, plan)
+    num_windows = len(pack_windows(speech_regions(wave, SR, 30.0), 30 * SR))
+    t, = transcribe(real_tiny_llm, [(wave, SR)], strategy="vad", timestamps=True)
+    assert t.error is None and num_windows == 2
+    assert t.num_windows == num_windows             # one request per window: nothing left over to retry
+    norm = EnglishTextNormalizer({})
+    out = jiwer.process_words(norm(" ".join(refs)), norm(t.text))
+    assert out.wer < 0.05, t.text
+    assert max((c.ref_end_idx - c.ref_start_idx for c in out.alignments[0] if c.type == "delete"), default=0) <= 1
+    for seg in t.segments:          # on the speech, in the file's seconds
+        assert spans[0][0] - 0.5 <= seg.start_s < seg.end_s <= spans[-1][1] + 0.5, seg
+
+
+@pytest.mark.real
 def test_vad_turns_a_minute_of_silence_or_noise_into_no_text(real_whisper, real_tiny_llm):
     from enc2dec.engine.whisper.transcribe import transcribe
 

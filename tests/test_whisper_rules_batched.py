@@ -34,9 +34,11 @@ def _grammar_history(rule: TimestampRules, length: int, rnd: random.Random) -> l
 def test_timestamp_rules_batched_equals_row_by_row(max_initial):
     rnd = random.Random(0)
     rules, histories = [], []
-    # open_at: a prompt that opened a segment (a forced prefix) before the output.
-    for begin, open_at in ((0, None), (2, None), (0, TS + 3), (2, TS + 3)):
-        rule = TimestampRules(begin, EOT, NO_TS, TS, max_initial, open_segment_at=open_at)
+    # open_at: a prompt that opened a segment (a forced prefix) before the output; end_from: no
+    # EOT after text until a stamp at or past it.
+    for begin, open_at, end_from in ((0, None, None), (2, None, None), (0, TS + 3, None), (2, TS + 3, None),
+                                     (0, None, TS + 6), (2, TS + 3, TS + 6)):
+        rule = TimestampRules(begin, EOT, NO_TS, TS, max_initial, open_segment_at=open_at, end_not_before=end_from)
         for length in range(0, 14):          # before the text, empty text, lone and paired stamps
             rules.append(rule)
             histories.append(_grammar_history(rule, length, rnd))
@@ -112,3 +114,20 @@ def test_an_open_segment_lets_text_continue_and_time_move_on():
     fresh[:TS] = 5.0
     TimestampRules(0, EOT, NO_TS, TS, 5)([], fresh)
     assert torch.isinf(fresh[:TS]).all()                   # without it the output opens with a stamp
+
+
+def test_end_not_before_holds_eot_back_until_a_late_enough_stamp_once_there_is_text():
+    def eot_allowed(ids: list[int]) -> bool:
+        row = torch.zeros(VOCAB)
+        row[EOT] = 10.0                                    # the model would end here
+        TimestampRules(0, EOT, NO_TS, TS, 5, end_not_before=TS + 10)(ids, row)
+        return bool(torch.isfinite(row[EOT]))
+
+    assert not eot_allowed([TS, 1, 2, TS + 4])             # words stopped at 4 steps of 10: go on
+    assert not eot_allowed([TS, 1, 2, TS + 4, TS + 4])
+    assert eot_allowed([TS, 1, 2, TS + 4, TS + 4, 3, TS + 10])   # a stamp at the bound: it may end
+    assert eot_allowed([TS])                               # no text at all (silence): it may end
+    row = torch.zeros(VOCAB)
+    row[EOT] = 10.0
+    TimestampRules(0, EOT, NO_TS, TS, 5)([TS, 1, 2, TS + 4], row)
+    assert torch.isfinite(row[EOT])                        # without the bound a lone stamp may end the text

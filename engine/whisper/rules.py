@@ -137,6 +137,8 @@ class TimestampRules:
 
     ``open_segment_at``: a timestamp token that the hidden decoder prompt already opened a
     segment with, followed by text (a forced prefix): the output continues that segment.
+    ``end_not_before``: a timestamp token; once there is text, EOT waits until a timestamp at or
+    after it (Whisper closes some windows with words left unheard; this makes it go on).
     """
 
     needs_token_ids = True       # the per-row form; the batched one reads the device-side history
@@ -145,13 +147,15 @@ class TimestampRules:
     order = 2
 
     def __init__(self, begin_index: int, eot: int, no_timestamps: int, timestamp_begin: int,
-                 max_initial_timestamp_index: int | None = 50, open_segment_at: int | None = None):
+                 max_initial_timestamp_index: int | None = 50, open_segment_at: int | None = None,
+                 end_not_before: int | None = None):
         self.begin_index = begin_index
         self.eot = eot
         self.no_timestamps = no_timestamps
         self.ts = timestamp_begin
         self.max_initial = max_initial_timestamp_index
         self.open_segment_at = open_segment_at
+        self.end_not_before = end_not_before
 
     def __call__(self, output_ids: list[int], row: torch.Tensor) -> None:
         if len(output_ids) < self.begin_index:
@@ -177,6 +181,9 @@ class TimestampRules:
             row[:ts] = _NEG_INF
             if self.max_initial is not None:
                 row[ts + self.max_initial + 1:] = _NEG_INF
+        if self.end_not_before is not None and (last_stamp is None or last_stamp < self.end_not_before) \
+                and any(t < self.eot for t in seq):
+            row[self.eot] = _NEG_INF
         # Compared in logits, not log-probs: the softmax normaliser is the same on both sides.
         timestamp_mass = row[ts:].logsumexp(dim=-1)
         best_text = row[:ts].max()
@@ -194,9 +201,10 @@ class TimestampRules:
         # allowed first timestamp, active, the prompt's open segment stamp (-1: none). One staged copy.
         p = to_device([[n, r.begin_index, r.eot, r.no_timestamps, r.ts,
                         r.ts + r.max_initial if r.max_initial is not None else _BIG, a,
-                        -1 if r.open_segment_at is None else r.open_segment_at]
-                       for r, n, a in zip(rules, num_output_tokens, active)], torch.long, dev)    # [R, 8]
-        n, begin, eot, no_ts, ts, last_initial, on, open_at = (c[:, None] for c in p.unbind(dim=1))  # [R, 1] each
+                        -1 if r.open_segment_at is None else r.open_segment_at,
+                        -1 if r.end_not_before is None else r.end_not_before]
+                       for r, n, a in zip(rules, num_output_tokens, active)], torch.long, dev)    # [R, 9]
+        n, begin, eot, no_ts, ts, last_initial, on, open_at, end_from = (c[:, None] for c in p.unbind(dim=1))
         on, opened = on.bool(), open_at >= 0
         num_seq = n - begin                                           # text tokens so far (>= 0 when on)
         positions = torch.arange(history.shape[1], device=dev)[None, :]                            # [1, L]
@@ -219,6 +227,8 @@ class TimestampRules:
         floor = torch.where(lone, last_stamp, last_stamp + 1)
         drop |= (last_stamp >= 0) & is_ts & (cols < floor)           # never back in time
         drop |= (num_seq == 0) & ~opened & (~is_ts | (cols > last_initial))
+        has_text = opened | (in_seq & (history < eot)).any(dim=1, keepdim=True)                   # [R, 1]
+        drop |= has_text & (last_stamp < end_from) & (cols == eot)
         ruled = logits.masked_fill(drop & on, _NEG_INF)
         timestamp_mass = ruled.masked_fill(~is_ts, _NEG_INF).logsumexp(dim=-1, keepdim=True)      # [R, 1]
         best_text = ruled.masked_fill(is_ts, _NEG_INF).amax(dim=-1, keepdim=True)

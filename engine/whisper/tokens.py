@@ -45,6 +45,10 @@ class WhisperTokens:
     def has_timestamps(self) -> bool:
         return self.timestamp_begin + NUM_TIMESTAMP_TOKENS <= self.vocab_size
 
+    def timestamp_at(self, seconds: float) -> int:
+        """The timestamp token at or just before ``seconds`` into the window (clamped to the range)."""
+        return self.timestamp_begin + min(max(int(seconds / TIME_PRECISION_S + 1e-6), 0), NUM_TIMESTAMP_TOKENS - 1)
+
     @classmethod
     def from_generation_config(cls, gen, vocab_size: int, tokenizer=None) -> WhisperTokens:
         def tok_id(name: str) -> int | None:
@@ -124,7 +128,7 @@ MAX_INITIAL_TIMESTAMP_INDEX = 50  # the first segment starts within 1.0 s of the
 
 def decoding_rules(tokens: WhisperTokens, *, detect_language: bool, timestamps: bool, task: str = "transcribe",
                    max_initial_timestamp_index: int | None = None,
-                   open_segment_at: int | None = None) -> tuple[list, int]:
+                   open_segment_at: int | None = None, end_not_before: int | None = None) -> tuple[list, int]:
     """The logits processors of one 30 s window (``SamplingParams.logits_processors``) and how many
     forced tokens precede its text. ``detect_language``: the first output token is chosen among the
     language tokens, then the task (and ``<|notimestamps|>`` without timestamps) are forced; the
@@ -141,7 +145,7 @@ def decoding_rules(tokens: WhisperTokens, *, detect_language: bool, timestamps: 
                        SuppressAtBegin(begin, tokens.begin_suppress)]
     if timestamps:
         processors.append(TimestampRules(begin, tokens.eot, tokens.no_timestamps, tokens.timestamp_begin,
-                                         max_initial_timestamp_index, open_segment_at))
+                                         max_initial_timestamp_index, open_segment_at, end_not_before))
     return processors, begin
 
 

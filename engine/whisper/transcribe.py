@@ -30,9 +30,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from enc2dec.engine.whisper.audio import AudioError, load_audio, probe_duration_s, resample, to_mono
-from enc2dec.engine.whisper.longform import (CHUNK_OVERLAP_S, MIN_WINDOW_S, WINDOW_S, Merged, Piece, chunk_windows,
-                                             closed_pieces, merge_chunk, merged_pieces, monotonic, parse_window,
-                                             unheard_from)
+from enc2dec.engine.whisper.longform import (CHUNK_OVERLAP_S, MIN_WINDOW_S, RETRY_GAP_S, WINDOW_S, Merged, Piece,
+                                             chunk_windows, closed_pieces, merge_chunk, merged_pieces, monotonic,
+                                             parse_window, unheard_from)
 from enc2dec.engine.sampling_params import SamplingParams
 from enc2dec.engine.whisper.decoding import (MAX_PROMPT_TOKENS, DecodeOptions, WindowStats, avg_logprob, best_sample,
                                              compression_ratio, is_no_speech, kept_tokens, needs_fallback,
@@ -322,7 +322,11 @@ class _Run:
             return pieces, None if r is None else await self._retry_one(audio[int(r * sr):], r, t)
 
         # Every window opens at a speech onset (plus the pad), so its first timestamp comes early.
-        results = await self._decode_windows(windows, t, use_ts, new_audio_s, [True] * len(plan), then=parse_and_retry)
+        # And its speech runs to its end: Whisper may not close it while more than RETRY_GAP_S of it
+        # is unheard (it otherwise does, dropping the rest: 3-5 windows in 10 on the files of docs/transcribe.md).
+        ends = [self.tokens.timestamp_at(len(w) / sr - RETRY_GAP_S) if use_ts else None for w in windows]
+        results = await self._decode_windows(windows, t, use_ts, new_audio_s, [True] * len(plan), then=parse_and_retry,
+                                             end_not_before=ends)
         parsed, retried = [p for p, _ in results], [r for _, r in results]
         pieces = []
         for w, window_pieces, extra in zip(plan, parsed, retried):
@@ -338,14 +342,16 @@ class _Run:
                             True, ids.stats).pieces
 
     async def _decode_windows(self, windows: list[np.ndarray], t: Transcript, use_ts: bool,
-                              new_audio_s: list[float], cap_first_timestamp: list[bool], then=None) -> list:
+                              new_audio_s: list[float], cap_first_timestamp: list[bool], then=None,
+                              end_not_before: list[int | None] | None = None) -> list:
         """Every window's output, all in flight at once (with ``then``, ``await then(i, output)``
         instead: run as soon as window i is done, so a retry it submits joins the engine's batch
         while the other windows still decode, not in a second wave after all of them). Without a
         language on a multilingual checkpoint, the other windows wait for the first one's language
         token, not its whole text."""
         async def one(i: int, language_known: asyncio.Future | None = None):
-            ids = await self._decode(windows[i], t, use_ts, language_known, cap_first_timestamp[i])
+            ids = await self._decode(windows[i], t, use_ts, language_known, cap_first_timestamp[i],
+                                     end_not_before=end_not_before[i] if end_not_before else None)
             self._advance(t, new_audio_s[i])
             return ids if then is None else await then(i, ids)
 
@@ -366,15 +372,15 @@ class _Run:
 
     # ---- one window = one engine request ----------------------------------------------------
     def _processors(self, detect: bool, use_ts: bool, cap_first_timestamp: bool,
-                    open_segment_at: int | None = None) -> tuple[list, int]:
+                    open_segment_at: int | None = None, end_not_before: int | None = None) -> tuple[list, int]:
         """The logits rules of a window, and how many forced tokens precede its text. Shared by
         every window of the run: they hold no per-request state."""
-        key = (detect, use_ts, cap_first_timestamp, open_segment_at)
+        key = (detect, use_ts, cap_first_timestamp, open_segment_at, end_not_before)
         if key not in self._rules:
             self._rules[key] = decoding_rules(
                 self.tokens, detect_language=detect, timestamps=use_ts, task=self.task,
                 max_initial_timestamp_index=MAX_INITIAL_TIMESTAMP_INDEX if cap_first_timestamp else None,
-                open_segment_at=open_segment_at)
+                open_segment_at=open_segment_at, end_not_before=end_not_before)
         return self._rules[key]
 
     def _set_decoding(self, o: DecodeOptions) -> None:
@@ -407,7 +413,7 @@ class _Run:
 
     async def _decode(self, window: np.ndarray, t: Transcript, use_ts: bool,
                       language_known: asyncio.Future | None = None, cap_first_timestamp: bool = True,
-                      previous_ids: list[int] | None = None) -> "WindowTokens":
+                      previous_ids: list[int] | None = None, end_not_before: int | None = None) -> "WindowTokens":
         """The window's output ids after the forced tokens, with its stats; empty when it is
         judged silence. ``previous_ids``: the text to prompt with (None: the initial prompt, as
         windows decoded side by side have no previous text). Each temperature tried is one
@@ -426,7 +432,7 @@ class _Run:
         audio_key = f"enc2dec-window-{uuid.uuid4().hex}" if len(o.temperatures) > 1 else None
         for attempt, temperature in enumerate(o.temperatures, start=1):
             ids, stats = await self._attempt(window, t, use_ts, language_known, cap_first_timestamp, prompt,
-                                             forced, temperature, audio_key)
+                                             forced, temperature, audio_key, end_not_before)
             stats = dataclasses.replace(stats, num_attempts=attempt)
             if not needs_fallback(stats, o):
                 break
@@ -435,12 +441,13 @@ class _Run:
         return WindowTokens(forced + ids, stats)
 
     async def _attempt(self, window, t, use_ts, language_known, cap_first_timestamp, prompt, forced,
-                       temperature, audio_key: str | None = None) -> tuple[list[int], WindowStats]:
+                       temperature, audio_key: str | None = None,
+                       end_not_before: int | None = None) -> tuple[list[int], WindowStats]:
         tok = self.tokens
         detect = t.language is None
         decoder_prompt = prompt + tok.prefix(t.language, self.task, use_ts) + forced
         processors, begin = self._processors(detect, use_ts, cap_first_timestamp,
-                                             tok.timestamp_begin if use_ts and forced else None)
+                                             tok.timestamp_begin if use_ts and forced else None, end_not_before)
         beam = temperature == 0 and self.beam_size > 1
         sampled = temperature > 0
         params = SamplingParams(
