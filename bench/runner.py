@@ -19,11 +19,16 @@ from .workloads import BenchRequest
 
 
 class KvTracker:
-    """Peak KV blocks in use, sampled while a level runs (``LLM.kv_cache_usage()``)."""
+    """Peak KV blocks in use while a level runs: the pools' own high-water marks, restarted at the
+    level's start (``LLM.reset_kv_peaks``), and, for engines without them, ``kv_cache_usage()``
+    polled, which can miss requests shorter than its interval."""
 
     def __init__(self, llm):
         usage = getattr(llm, "kv_cache_usage", None)
         self._usage = usage if callable(usage) else None
+        reset = getattr(llm, "reset_kv_peaks", None)
+        if self._usage is not None and callable(reset):
+            reset()
         first = self._usage() if self._usage else {}
         self.self_total = first.get("self", {}).get("total_blocks")
         self.cross_total = first.get("cross", {}).get("total_blocks")
@@ -33,10 +38,12 @@ class KvTracker:
         if self._usage is None:
             return
         usage = self._usage()
-        self.self_peak = max(self.self_peak, usage["self"]["used_blocks"])
-        self.cross_peak = max(self.cross_peak, usage["cross"]["used_blocks"])
+        for pool in ("self", "cross"):
+            u = usage[pool]
+            peak = max(getattr(self, f"{pool}_peak"), u["used_blocks"], u.get("peak_used_blocks", 0))
+            setattr(self, f"{pool}_peak", peak)
 
-    async def poll(self, interval_s: float = 0.01) -> None:
+    async def poll(self, interval_s: float = 100.0) -> None:
         while True:
             self.sample()
             await asyncio.sleep(interval_s)

@@ -186,13 +186,19 @@ class DataParallelLLM:
         kv = {}
         for pool in ("self", "cross"):
             usages = [s["kv"][pool] for s in live]
+            # The replicas' peaks come at different moments: their sum bounds the total's peak.
             kv[pool] = {"used_blocks": sum(u["used_blocks"] for u in usages),
+                        "peak_used_blocks": sum(u.get("peak_used_blocks", 0) for u in usages),
                         "total_blocks": sum(u["total_blocks"] for u in usages),
                         "tokens_per_block": self._replicas[0].llm.stats()["kv"][pool]["tokens_per_block"]}
         return {**total, "kv": kv, "replicas": per}
 
     def kv_cache_usage(self) -> dict[str, dict[str, int]]:
         return self.stats()["kv"]
+
+    def reset_kv_peaks(self) -> None:
+        for r in self._live():
+            r.llm.reset_kv_peaks()
 
     def queue_stats(self) -> dict[str, int]:
         s = self.stats()

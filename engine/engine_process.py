@@ -573,6 +573,12 @@ class ProcessLLM:
     def kv_cache_usage(self) -> dict[str, dict[str, int]]:
         return self.stats()["kv"]
 
+    def reset_kv_peaks(self) -> None:
+        from enc2dec.engine.llm import reset_kv_peaks
+
+        # The stats otherwise ride on step outputs: until the next step they would show the old peak.
+        self._stats = {**self._stats, "kv": self.call_on_engine(reset_kv_peaks).result()}
+
     def queue_stats(self) -> dict[str, int]:
         s = self.stats()
         return {"waiting": s["waiting"], "running": s["running"]}

@@ -177,10 +177,11 @@ class LLM:
 
     def kv_cache_usage(self) -> dict[str, dict[str, int]]:
         """Blocks used / total per pool and tokens per block (a snapshot; for metrics)."""
-        sched, plan = self._core.scheduler, self._core.runner.kv_plan
-        return {name: {"used_blocks": pool.num_used_blocks, "total_blocks": pool.num_total_blocks,
-                       "tokens_per_block": plan.tokens_per_block}
-                for name, pool in (("self", sched.self_pool), ("cross", sched.cross_pool))}
+        return kv_usage(self._core)
+
+    def reset_kv_peaks(self) -> None:
+        """Start the pools' ``peak_used_blocks`` again from what they hold now (between two steps)."""
+        self.call_on_engine(reset_kv_peaks).result()
 
     def queue_stats(self) -> dict[str, int]:
         """Waiting and running requests (a snapshot; for metrics)."""
@@ -310,6 +311,21 @@ class LLM:
                 return
             if cmd == "call":
                 arg[1].set_exception(RuntimeError("the LLM was shut down before the call ran"))
+
+
+def kv_usage(core: EngineCore) -> dict[str, dict[str, int]]:
+    sched, plan = core.scheduler, core.runner.kv_plan
+    return {name: {"used_blocks": pool.num_used_blocks, "total_blocks": pool.num_total_blocks,
+                   "peak_used_blocks": pool.peak_used_blocks, "tokens_per_block": plan.tokens_per_block}
+            for name, pool in (("self", sched.self_pool), ("cross", sched.cross_pool))}
+
+
+def reset_kv_peaks(core: EngineCore) -> dict[str, dict[str, int]]:
+    """Restart both pools' peaks; returns the usage after. Module level so that an engine process
+    can be sent it (``call_on_engine`` pickles)."""
+    core.scheduler.self_pool.reset_peak()
+    core.scheduler.cross_pool.reset_peak()
+    return kv_usage(core)
 
 
 def _run_call(core: EngineCore, fn, future: concurrent.futures.Future) -> None:

@@ -31,6 +31,22 @@ def test_allocate_and_free_counts():
     assert pool.num_free_blocks == 8
 
 
+def test_the_peak_remembers_the_most_blocks_held_until_reset():
+    pool = BlockPool(8)
+    a = pool.allocate(3)
+    b = pool.allocate(2)
+    pool.free(a)
+    c = pool.allocate(1)
+    assert pool.num_used_blocks == 3 and pool.peak_used_blocks == 5
+    pool.reset_peak()
+    assert pool.peak_used_blocks == 3
+    pool.free(b + c)
+    assert pool.peak_used_blocks == 3          # a reset peak starts from what was held, not from 0
+    pool.reset_peak()
+    pool.allocate(2)
+    assert pool.peak_used_blocks == 2
+
+
 def test_allocate_beyond_free_raises():
     pool = BlockPool(4)
     pool.allocate(3)

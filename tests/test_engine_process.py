@@ -74,6 +74,19 @@ def test_abort_ends_the_request_and_frees_its_blocks(pair):
     assert stats["running"] == 0 and stats["kv"]["self"]["used_blocks"] == 0
 
 
+def test_kv_peaks_show_a_request_that_ended_before_anyone_looked(pair):
+    # The bench reads the peak after a level; a request of a small model can end between two polls.
+    for llm in pair:
+        llm.reset_kv_peaks()
+        assert llm.kv_cache_usage()["self"]["peak_used_blocks"] == 0
+        llm.generate(PROMPTS[0], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        usage = llm.kv_cache_usage()
+        assert usage["self"]["used_blocks"] == 0 and usage["self"]["peak_used_blocks"] >= 1
+        assert usage["cross"]["peak_used_blocks"] >= 1
+        llm.reset_kv_peaks()
+        assert llm.kv_cache_usage()["self"]["peak_used_blocks"] == 0
+
+
 def test_bad_requests_raise_the_in_process_errors(pair):
     local, remote = pair
     bad = SamplingParams(top_k=10**9)

@@ -44,6 +44,7 @@ class BlockPool:
         # finished request are not handed out again at once (easier to debug stale reads).
         self._free: deque[int] = deque(range(num_blocks))
         self._ref_counts: list[int] = [0] * num_blocks
+        self._peak_used = 0
 
     @property
     def num_total_blocks(self) -> int:
@@ -56,6 +57,16 @@ class BlockPool:
     @property
     def num_used_blocks(self) -> int:
         return self.num_total_blocks - self.num_free_blocks
+
+    @property
+    def peak_used_blocks(self) -> int:
+        """The most blocks held at once since the pool was made or ``reset_peak`` last ran. Kept
+        here because a reader that polls ``num_used_blocks`` misses requests shorter than its
+        interval (a small model's whole request can be)."""
+        return self._peak_used
+
+    def reset_peak(self) -> None:
+        self._peak_used = self.num_used_blocks
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
@@ -75,6 +86,9 @@ class BlockPool:
         block_ids = [self._free.popleft() for _ in range(num_blocks)]
         for block_id in block_ids:
             self._ref_counts[block_id] = 1
+        used = len(self._ref_counts) - len(self._free)
+        if used > self._peak_used:
+            self._peak_used = used
         return block_ids
 
     def _rotate_to_run(self, num_blocks: int) -> None:
