@@ -28,6 +28,7 @@ class FakeHandle:
 
     async def _steps(self):
         self.llm.in_flight += 1
+        self.llm.peak_in_flight = max(self.llm.peak_in_flight, self.llm.in_flight)
         times = []
         try:
             for i in range(self.params.max_tokens):
@@ -54,7 +55,7 @@ class FakeLLM:
 
     def __init__(self, args=None, model_type="t5"):
         self.args = args
-        self.in_flight = 0
+        self.in_flight = self.peak_in_flight = 0
         self.tokenizer = None
         self.prompts = []
         self.shut_down = False
@@ -63,8 +64,14 @@ class FakeLLM:
             device=SimpleNamespace(type="cpu"), dtype="float32")
 
     def kv_cache_usage(self):
-        return {"self": {"used_blocks": 2 * self.in_flight, "total_blocks": 100, "tokens_per_block": 32},
-                "cross": {"used_blocks": self.in_flight, "total_blocks": 50, "tokens_per_block": 32}}
+        # Peaks as the real pools keep them (a poll can miss a short request on a loaded machine).
+        return {"self": {"used_blocks": 2 * self.in_flight, "peak_used_blocks": 2 * self.peak_in_flight,
+                         "total_blocks": 100, "tokens_per_block": 32},
+                "cross": {"used_blocks": self.in_flight, "peak_used_blocks": self.peak_in_flight,
+                          "total_blocks": 50, "tokens_per_block": 32}}
+
+    def reset_kv_peaks(self):
+        self.peak_in_flight = self.in_flight
 
     def generate_async(self, prompt, params, streaming=False):
         assert params.ignore_eos and params.temperature == 0
