@@ -92,7 +92,9 @@ class KvCacheConfig:
     max_tokens: int | None = None            # cap on self + cross positions, whatever memory allows
     enable_block_reuse: bool = False
     use_kv_cache_manager_v2: bool = False
-    max_cpu_memory_bytes: int = 512 << 20    # the KV budget when running on the CPU
+    # The KV budget when running on the CPU; None: a quarter of the memory available at start-up,
+    # at most 4 GiB (core/kv_sizing.auto_cpu_kv_budget). Pages are taken as blocks are written.
+    max_cpu_memory_bytes: int | None = None
     # "auto": the model's dtype; "fp8": e4m3 with a float16 scale per position and head
     # (TensorRT-LLM's key), half the bytes of bf16 for both pools.
     dtype: str = "auto"
@@ -107,7 +109,7 @@ class KvCacheConfig:
         if self.tokens_per_block & (self.tokens_per_block - 1):
             raise ValueError(f"{o}.tokens_per_block must be a power of two, got {self.tokens_per_block}")
         _check_positive_int(o, "max_tokens", self.max_tokens, allow_none=True)
-        _check_positive_int(o, "max_cpu_memory_bytes", self.max_cpu_memory_bytes)
+        _check_positive_int(o, "max_cpu_memory_bytes", self.max_cpu_memory_bytes, allow_none=True)
         if self.enable_block_reuse:
             raise ValueError(f"{o}.enable_block_reuse=True is not supported for encoder-decoder models; "
                              "set it to false")

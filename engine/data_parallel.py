@@ -106,6 +106,13 @@ class DataParallelLLM:
         self.args = args
         replica_args = dataclasses.replace(args, data_parallel_size=1, engine_process=True)
         places = placements(args)
+        kvc = args.kv_cache_config
+        if places[0].num_threads is not None and kvc.max_cpu_memory_bytes is None:
+            # CPU replicas share one machine's memory: each its part of the one automatic budget.
+            from enc2dec.engine.core.kv_sizing import auto_cpu_kv_budget
+
+            share = dataclasses.replace(kvc, max_cpu_memory_bytes=max(1, auto_cpu_kv_budget() // len(places)))
+            replica_args = dataclasses.replace(replica_args, kv_cache_config=share)
         self._stop = False
         self._lock = threading.Lock()            # routing: the in-flight counts and the choice
         self._order = itertools.count()

@@ -1,4 +1,5 @@
 """Block pool accounting and KV pool sizing: pure Python, fake sizes."""
+import os
 import random
 
 import pytest
@@ -164,3 +165,37 @@ def test_no_budget_at_all_raises():
 def test_fraction_must_be_inside_zero_one(fraction):
     with pytest.raises(ValueError, match="cross_kv_cache_fraction"):
         plan_kv_pools(GIB, fraction, 32, 1024)
+
+
+def test_an_unset_cpu_budget_is_a_quarter_of_the_available_memory_up_to_4_gib():
+    from enc2dec.engine.core.kv_sizing import auto_cpu_kv_budget
+
+    assert auto_cpu_kv_budget(available=8 * GIB) == 2 * GIB
+    assert auto_cpu_kv_budget(available=1 * GIB) == GIB // 4           # a small container stays small
+    assert auto_cpu_kv_budget(available=200 * GIB) == 4 * GIB
+    assert 0 < auto_cpu_kv_budget() <= 4 * GIB                         # this machine's, read from /proc
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads Linux's /proc")
+def test_cpu_pools_take_memory_only_for_the_blocks_written():
+    import torch
+
+    from enc2dec.engine.models.attention import KVCache
+
+    before = _rss_bytes()
+    # 2 layers x 2 pools x K and V x 2,048 blocks x 32 x 8 x 64 float32 = 1 GiB of pools
+    kv = KVCache.allocate(2, 8, 64, 32, 2048, 2048, torch.float32, "cpu")
+    assert _rss_bytes() - before < 64 << 20
+    layer = kv.cross_kv[1]
+    assert layer.k.shape == (2048, 32, 8, 64) and layer.k.dtype == torch.float32
+    layer.k[5].fill_(2.0)
+    assert float(layer.k[5].sum()) == 2.0 * 32 * 8 * 64
+    assert float(layer.k[4].abs().sum()) == 0.0 and float(layer.v[2047].abs().sum()) == 0.0
+    assert _rss_bytes() - before < 64 << 20
+    fp8 = KVCache.allocate(1, 8, 64, 32, 64, 64, torch.bfloat16, "cpu", fp8=True)
+    assert fp8.self_kv[0].k.dtype == torch.float8_e4m3fn and float(fp8.self_kv[0].k.float().abs().sum()) == 0.0

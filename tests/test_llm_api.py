@@ -316,3 +316,15 @@ def test_activation_profile_batch_stays_inside_the_model(family, request):
         with torch.no_grad():
             hidden = runner.model.encode(inputs, meta)
     assert hidden.shape[0] == sum(meta.seq_lens) and torch.isfinite(hidden).all()
+
+
+def test_an_unset_cpu_budget_sizes_the_pools_from_the_machine(t5_relu):
+    from enc2dec.engine.core.kv_sizing import AUTO_CPU_KV_MAX, auto_cpu_kv_budget
+
+    with LLM(t5_relu, max_batch_size=2, kv_cache_config=KvCacheConfig(cross_kv_cache_fraction=0.5)) as llm:
+        plan = llm.engine.runner.kv_plan
+        total = plan.self_bytes + plan.cross_bytes
+        # a quarter of what is free (which moves a little between the two reads), never above the cap
+        assert 0.5 * auto_cpu_kv_budget() <= total <= AUTO_CPU_KV_MAX
+        out = llm.generate("budget check", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert len(out.outputs[0].token_ids) == 4

@@ -25,7 +25,7 @@ from enc2dec.engine.runner.cuda_graph import scatter_rows
 from enc2dec.engine.runner.fast_linear import skinny_linear_enabled, use_skinny_linear
 from enc2dec.engine.runner.fast_norms import use_triton_norms
 from enc2dec.engine.runner.host_to_device import to_device
-from enc2dec.engine.core.kv_sizing import kv_bytes_per_token, plan_kv_pools
+from enc2dec.engine.core.kv_sizing import auto_cpu_kv_budget, kv_bytes_per_token, plan_kv_pools
 from enc2dec.engine.runner.loader import load_model
 from enc2dec.engine.core.request import PLACEHOLDER_TOKEN_ID
 from enc2dec.engine.runner.sampler import (BeamGroup, DeviceSample, Sampler, SeqSamplingState, all_plain_greedy,
@@ -288,8 +288,10 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             free_bytes, _ = torch.cuda.mem_get_info(self.device)
             budget = int(max(0, free_bytes - activation_bytes) * kvc.free_gpu_memory_fraction)
-        else:
+        elif kvc.max_cpu_memory_bytes is not None:
             budget = int(kvc.max_cpu_memory_bytes)
+        else:
+            budget = auto_cpu_kv_budget()
         if kvc.max_tokens is not None:
             budget = min(budget, kvc.max_tokens * per_token)
         budget = self.tp.min_int(budget, self.device)      # every rank the same pools: block ids are shared
