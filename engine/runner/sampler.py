@@ -111,6 +111,22 @@ class _Batch:
             else [r for r, st in enumerate(states) if st is not None and st.is_random]
         self.no_logprobs = [None] * len(states)      # DeviceSample.want of a step that asks none (read only)
         self.plan: _DrawPlan | None = None           # made at the first step that draws
+        self._static_mask: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._static_mask_made = False
+        # Rows whose mask changes with their output count (begin-suppress, min_tokens).
+        self.counted_mask_rows = [r for r, st in enumerate(states) if st is not None and (
+            st.begin_suppress_token_ids or (st.params.min_tokens and not st.params.ignore_eos))]
+
+    def static_mask(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows, cols) on ``device`` of every row's ``masked_ids`` (suppress list, bad words):
+        staged once for the batch, not rebuilt from Python lists at every step (Whisper's
+        ~90 suppressed ids per row were 4% of a CPU decode step)."""
+        if not self._static_mask_made:
+            rows = [r for r, st in enumerate(self.states) for _ in st.masked_ids]
+            cols = [i for st in self.states for i in st.masked_ids]
+            self._static_mask = tuple(to_device((rows, cols), torch.long, device)) if rows else None
+            self._static_mask_made = True
+        return self._static_mask
 
 
 @dataclass
@@ -149,6 +165,19 @@ class BeamCandidates:
     def output(self) -> list[list[tuple[int, int, float, float]]]:
         cols = [t.tolist() for t in (self.parent_rows, self.token_ids, self.cumulative_logprobs, self.logprobs)]
         return [list(zip(*(c[g][:keep] for c in cols))) for g, keep in enumerate(self.num_keep)]
+
+
+def _counted_mask_indices(states: list[SeqSamplingState], num_output_tokens: list[int], candidates: list[int]):
+    """The part of ``_mask_indices`` that depends on the output count, for the ``candidates`` rows."""
+    rows, cols = [], []
+    for r in candidates:
+        st, n_out = states[r], num_output_tokens[r]
+        ids = list(st.begin_suppress_token_ids) if n_out == 0 else []
+        if n_out < st.params.min_tokens and not st.params.ignore_eos:
+            ids += st.min_tokens_mask_ids
+        rows += [r] * len(ids)
+        cols += ids
+    return rows, cols
 
 
 def _mask_indices(states: list[SeqSamplingState], num_output_tokens: list[int]):
@@ -378,10 +407,14 @@ class Sampler:
             logits = _penalize(logits, states, num_output_tokens, penalized,
                                self.history.window([slot_of[r] for r in penalized]))
         logits = _add_logit_bias(logits, states)
-        rows, cols = _mask_indices(states, num_output_tokens)
-        if rows:
-            dev = logits.device
-            logits = logits.index_put(tuple(to_device((rows, cols), torch.long, dev)), _neg_inf(dev))
+        static = batch.static_mask(logits.device)
+        if static is not None:
+            logits = logits.index_put(static, _neg_inf(logits.device))
+        if batch.counted_mask_rows:
+            rows, cols = _counted_mask_indices(states, num_output_tokens, batch.counted_mask_rows)
+            if rows:
+                dev = logits.device
+                logits = logits.index_put(tuple(to_device((rows, cols), torch.long, dev)), _neg_inf(dev))
         for rule in sorted(by_rule, key=lambda cls: cls.order):
             rule_rows, fns = by_rule[rule]
             idx = to_device(rule_rows, torch.long, logits.device)
