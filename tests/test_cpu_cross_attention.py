@@ -1,6 +1,8 @@
 """Decode-step cross-attention of the torch backend (the CPU path) over Whisper-length encoder
 K/V: rows whose runs of cross blocks are evenly spaced share one strided attention call, which
-must give the per-row loop's result bit for bit (and the reference's to rounding)."""
+must give the per-row loop's result bit for bit (and the reference's to rounding). Rows on one
+request's blocks (its beams) are that request's queries in one call: the K/V is read once, and
+the product of several queries rounds like a matrix product, not like the loop's one-row ones."""
 import pytest
 import torch
 
@@ -30,15 +32,16 @@ def _pools(num_blocks: int = 80):
             torch.randn(8, HEADS, DIM, generator=gen))
 
 
-@pytest.mark.parametrize("first_blocks, num_calls", [
-    ([0, 10, 20, 30], 1),           # clips admitted one after another: back-to-back runs
-    ([40, 0, 60, 20], 1),           # evenly spaced with gaps, rows not in pool order
-    ([12, 12, 12], 1),              # beams of one request share its cross blocks
-    ([7], 1),
-    ([0, 10, 30, 40, 65], 3),       # uneven: [0, 10], [30, 40], [65]
-    ([30, 30, 0, 0], 2),            # two requests' beams
+@pytest.mark.parametrize("first_blocks, num_calls, beams", [
+    ([0, 10, 20, 30], 1, False),            # clips admitted one after another: back-to-back runs
+    ([40, 0, 60, 20], 1, False),            # evenly spaced with gaps, rows not in pool order
+    ([12, 12, 12], 1, True),                # beams of one request share its cross blocks
+    ([7], 1, False),
+    ([0, 10, 30, 40, 65], 3, False),        # uneven: [0, 10], [30, 40], [65]
+    ([30, 30, 0, 0], 2, True),              # two requests' beams, the runs not in pool order
+    ([0, 0, 10, 10, 20, 20], 3, True),      # three requests' beams on back-to-back runs (plan["runs"]: one call)
 ])
-def test_strided_cross_attention_equals_the_per_row_loop(first_blocks, num_calls):
+def test_strided_cross_attention_equals_the_per_row_loop(first_blocks, num_calls, beams):
     k, v, q_all = _pools()
     meta = _meta(first_blocks)
     q = q_all[:len(first_blocks)]
@@ -47,7 +50,10 @@ def test_strided_cross_attention_equals_the_per_row_loop(first_blocks, num_calls
     assert len(plan["groups"]) == num_calls
     got = backend.cross_attention(q, k, v, meta, 0.25)
     loop = TorchAttentionBackend._cross_views(q, k, v, meta, 0.25, plan["starts"], TPB)
-    assert torch.equal(got, loop)
+    if beams:
+        torch.testing.assert_close(got, loop, atol=1e-6, rtol=0)
+    else:
+        assert torch.equal(got, loop)
     ref = paged_attention_ref(q, k, v, meta.query_start_loc, meta.enc_lens, meta.cross_block_tables, 0.25,
                               causal=False)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)

@@ -70,6 +70,23 @@ def _spaced_groups(starts: list[int]) -> list[tuple[list[int], int, int]]:
     return groups
 
 
+def _shared_runs(starts: list[int]) -> tuple[int, int, int, int] | None:
+    """(runs, rows per run, first block, gap) when the rows come in runs of m > 1 consecutive rows
+    on the same blocks (a beam-search request's beams) and the runs' blocks step by one gap."""
+    m = 1
+    while m < len(starts) and starts[m] == starts[0]:
+        m += 1
+    if m == 1 or len(starts) % m:
+        return None
+    firsts = starts[::m]
+    if any(starts[i] != firsts[i // m] for i in range(len(starts))):
+        return None
+    gap = firsts[1] - firsts[0] if len(firsts) > 1 else 0
+    if any(b - a != gap for a, b in zip(firsts, firsts[1:])) or (len(firsts) > 1 and gap <= 0):
+        return None
+    return len(firsts), m, firsts[0], gap
+
+
 class TorchAttentionBackend:
     """Gathers blocks and runs ``scaled_dot_product_attention``; runs anywhere."""
 
@@ -228,17 +245,18 @@ class TorchAttentionBackend:
         starts = None
         if longest >= VIEW_MIN_KEYS:
             starts = _consecutive_starts(meta.cross_block_tables.tolist(), lens, tpb)
-        groups = None
+        groups = runs = None
         if starts is not None and len(set(lens)) == 1:
             dev = meta.enc_lens.device
             groups = [(rows if rows == list(range(rows[0], rows[0] + len(rows))) else torch.tensor(rows, device=dev),
                        first, gap, len(rows)) for rows, first, gap in _spaced_groups(starts)]
+            runs = _shared_runs(starts)
         nb = (longest + tpb - 1) // tpb
         pages = meta.cross_block_tables[:, :nb].long()                                      # [S, nb]
         k_pos = torch.arange(nb * tpb, device=pages.device)
         hidden = (k_pos[None, :] >= meta.enc_lens.long()[:, None])[:, None, None, :]        # [S, 1, 1, K]
         mask = torch.zeros(hidden.shape, dtype=dtype, device=pages.device).masked_fill_(hidden, float("-inf"))
-        return {"starts": starts, "pages": pages, "mask": mask, "groups": groups}
+        return {"starts": starts, "pages": pages, "mask": mask, "groups": groups, "runs": runs}
 
     @staticmethod
     def _cross_strided(q, k_cache, v_cache, meta, scale, plan, tpb) -> torch.Tensor:
@@ -251,12 +269,29 @@ class TorchAttentionBackend:
         num_seqs, num_heads, head_dim = q.shape
         row = num_heads * head_dim
         flats = [c.view(-1, num_heads, head_dim) for c in (k_cache, v_cache)]               # [slots, H, D]
+
+        def view(count, first, gap):
+            return [f.as_strided((count, num_heads, length, head_dim), (gap * tpb * row, head_dim, row, 1),
+                                 f.storage_offset() + first * tpb * row).to(q.dtype) for f in flats]   # [G, H, L, D]
+
+        if plan["runs"] is not None:
+            # Beams: each run of m rows shares one request's K/V, read once for its m queries.
+            count, m, first, gap = plan["runs"]
+            kv = view(count, first, gap)
+            qg = q.view(count, m, num_heads, head_dim).transpose(1, 2)                          # [G, H, m, D]
+            o = F.scaled_dot_product_attention(qg, kv[0], kv[1], scale=scale)                   # [G, H, m, D]
+            return o.transpose(1, 2).reshape(num_seqs, num_heads, head_dim)
         out = None
         for rows, first, gap, size in plan["groups"]:
-            kv = [f.as_strided((size, num_heads, length, head_dim), (gap * tpb * row, head_dim, row, 1),
-                               f.storage_offset() + first * tpb * row).to(q.dtype) for f in flats]   # [G, H, L, D]
-            qg = q[rows[0]:rows[0] + size] if isinstance(rows, list) else q.index_select(0, rows)
-            o = F.scaled_dot_product_attention(qg.unsqueeze(2), kv[0], kv[1], scale=scale).squeeze(2)  # [G, H, D]
+            if gap == 0 and size > 1:        # rows on one request's K/V (its beams): one call, `size` queries
+                kv = view(1, first, 0)
+                qg = q[rows[0]:rows[0] + size] if isinstance(rows, list) else q.index_select(0, rows)
+                o = F.scaled_dot_product_attention(qg.transpose(0, 1)[None], kv[0], kv[1], scale=scale)[0]
+                o = o.transpose(0, 1)                                                           # [size, H, D]
+            else:
+                kv = view(size, first, gap)
+                qg = q[rows[0]:rows[0] + size] if isinstance(rows, list) else q.index_select(0, rows)
+                o = F.scaled_dot_product_attention(qg.unsqueeze(2), kv[0], kv[1], scale=scale).squeeze(2)  # [G, H, D]
             if size == num_seqs and isinstance(rows, list):
                 return o
             if out is None:
