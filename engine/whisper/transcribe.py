@@ -349,14 +349,25 @@ class _Run:
         while the other windows still decode, not in a second wave after all of them). Without a
         language on a multilingual checkpoint, the other windows wait for the first one's language
         token, not its whole text."""
-        async def one(i: int, language_known: asyncio.Future | None = None):
+        async def one(i: int, language_known: asyncio.Future | None = None, audio_key: str | None = None):
             ids = await self._decode(windows[i], t, use_ts, language_known, cap_first_timestamp[i],
-                                     end_not_before=end_not_before[i] if end_not_before else None)
+                                     end_not_before=end_not_before[i] if end_not_before else None,
+                                     audio_key=audio_key)
             self._advance(t, new_audio_s[i])
             return ids if then is None else await then(i, ids)
 
         language_known = asyncio.get_running_loop().create_future() if t.language is None else None
-        first = asyncio.ensure_future(one(0, language_known))
+        first_key = None
+        if language_known is not None and len(windows) > 1 and self.beam_size > 1 \
+                and self.options.temperatures[0] == 0:
+            # Beams stream nothing until they end, so the other windows would wait for the first
+            # one's whole decode (one window in flight: beam 5 took 3.7x greedy's steps). Detect the
+            # language in one greedy step first, as faster-whisper and the original do; the first
+            # window then decodes from that request's cross K/V, without a second encoder pass.
+            first_key = f"enc2dec-window-{uuid.uuid4().hex}"
+            await self._detect_language(windows[0], t, use_ts, first_key)
+            language_known = None
+        first = asyncio.ensure_future(one(0, language_known, first_key))
         rest: list[asyncio.Future] = []
         try:
             if language_known is not None and len(windows) > 1:
@@ -413,7 +424,8 @@ class _Run:
 
     async def _decode(self, window: np.ndarray, t: Transcript, use_ts: bool,
                       language_known: asyncio.Future | None = None, cap_first_timestamp: bool = True,
-                      previous_ids: list[int] | None = None, end_not_before: int | None = None) -> "WindowTokens":
+                      previous_ids: list[int] | None = None, end_not_before: int | None = None,
+                      audio_key: str | None = None) -> "WindowTokens":
         """The window's output ids after the forced tokens, with its stats; empty when it is
         judged silence. ``previous_ids``: the text to prompt with (None: the initial prompt, as
         windows decoded side by side have no previous text). Each temperature tried is one
@@ -429,7 +441,8 @@ class _Run:
         prompt = prompt_tokens(self.start_of_prev, hot, previous_ids) if self.start_of_prev is not None else []
         # A retry decodes the same audio: under one key the engine keeps the first attempt's cross
         # K/V and the retry skips the encoder.
-        audio_key = f"enc2dec-window-{uuid.uuid4().hex}" if len(o.temperatures) > 1 else None
+        if audio_key is None and len(o.temperatures) > 1:
+            audio_key = f"enc2dec-window-{uuid.uuid4().hex}"
         for attempt, temperature in enumerate(o.temperatures, start=1):
             ids, stats = await self._attempt(window, t, use_ts, language_known, cap_first_timestamp, prompt,
                                              forced, temperature, audio_key, end_not_before)
@@ -439,6 +452,30 @@ class _Run:
         if is_no_speech(stats, o):
             return WindowTokens([], stats)
         return WindowTokens(forced + ids, stats)
+
+    async def _detect_language(self, window: np.ndarray, t: Transcript, use_ts: bool, audio_key: str) -> None:
+        """Set ``t.language`` from one greedy step over ``window`` (the likeliest language token),
+        under ``audio_key`` so that the window's own request reuses its cross K/V."""
+        tok = self.tokens
+        prompt = prompt_tokens(self.start_of_prev, self.hotword_ids, self.initial_prompt_ids) \
+            if self.start_of_prev is not None else []
+        processors, _ = self._processors(True, use_ts, True)
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, logits_processors=processors)
+        request = {"prompt_token_ids": prompt + tok.prefix(None, self.task, use_ts),
+                   "multi_modal_data": {"audio": [(window, self.sample_rate)]},
+                   "multi_modal_uuids": {"audio": [audio_key]}}
+        async with self.request_slots:
+            handle = await asyncio.get_running_loop().run_in_executor(
+                self.submitter, functools.partial(self.llm.generate_async, request, params))
+            try:
+                final = await handle
+            except asyncio.CancelledError:
+                handle.abort()
+                raise
+        ids = final.outputs[0].token_ids if final.outputs else []
+        if final.error or not ids:
+            raise _DecodeError(final.error or "language detection gave no token")
+        t.language = next(c for c, i in tok.languages.items() if i == ids[0])
 
     async def _attempt(self, window, t, use_ts, language_known, cap_first_timestamp, prompt, forced,
                        temperature, audio_key: str | None = None,
