@@ -215,6 +215,10 @@ def auto_api_processes(device) -> int:
     return max(1, min(4, cores // 4))
 
 
+# Seconds an API process whose first process died gives its open requests before it exits anyway.
+PARENT_GONE_GRACE_S = 5.0
+
+
 def _api_worker(config: ServeConfig, llm_args, address, listen_on, ready) -> None:
     """One more API process: the same app over an attached client of the engine process. It
     takes connections only once attached (its own socket listens from then on), and says so
@@ -246,6 +250,20 @@ def _api_worker(config: ServeConfig, llm_args, address, listen_on, ready) -> Non
                 return
             time.sleep(0.02)
     threading.Thread(target=tell_when_serving, daemon=True).start()
+    parent = os.getppid()
+
+    def exit_with_the_first_process():
+        # A first process killed outright (SIGKILL, the OOM killer) cannot stop this one, which
+        # would keep the port and answer 503 forever: a leftover a supervisor cannot see.
+        while not server.should_exit:
+            if os.getppid() != parent:
+                logger.error("API process %d: the first serve process (pid %d) is gone; shutting down",
+                             os.getpid(), parent)
+                server.should_exit = True
+                time.sleep(PARENT_GONE_GRACE_S)
+                os._exit(1)
+            time.sleep(0.5)
+    threading.Thread(target=exit_with_the_first_process, daemon=True).start()
     try:
         server.run(sockets=[sock])
     finally:

@@ -151,3 +151,39 @@ def test_auto_api_processes_follow_the_engines_device_and_the_cores(monkeypatch)
     assert server.auto_api_processes(torch.device("cuda", 0)) == 1
     monkeypatch.setattr(server.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
     assert server.auto_api_processes(torch.device("cuda", 0)) == 4
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        kids.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                pass
+    return kids
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads Linux's /proc")
+def test_killing_the_first_process_outright_leaves_no_process_behind(t5_relu):
+    proc, url, lines = _start(t5_relu)
+    kids = _children(proc.pid)
+    assert len(kids) >= 2, kids           # the engine process and the second API process (and a tracker)
+    proc.kill()                           # SIGKILL: no drain, no chance to stop the others
+    proc.wait(timeout=10)
+    deadline = time.monotonic() + 30
+    while [k for k in kids if os.path.exists(f"/proc/{k}") and not _is_zombie(k)]:
+        assert time.monotonic() < deadline, [open(f"/proc/{k}/cmdline").read() for k in kids
+                                             if os.path.exists(f"/proc/{k}")]
+        time.sleep(0.2)
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
