@@ -69,6 +69,17 @@ def placements(args: LlmArgs) -> list[Placement]:
     return out
 
 
+def replica_kv_config(kvc, places: list[Placement], available: int | None = None):
+    """Each replica's ``kv_cache_config``: CPU replicas share one machine's memory, so an unset
+    ``max_cpu_memory_bytes`` becomes each one's part of the one automatic budget (a replica
+    sizing its own would take a quarter of what is free, N times over)."""
+    if places[0].num_threads is None or kvc.max_cpu_memory_bytes is not None:
+        return kvc
+    from enc2dec.engine.core.kv_sizing import auto_cpu_kv_budget
+
+    return dataclasses.replace(kvc, max_cpu_memory_bytes=max(1, auto_cpu_kv_budget(available) // len(places)))
+
+
 def _num_seqs(params) -> int:
     """Decoder sequences a request occupies: its samples or beams."""
     if params is None:
@@ -106,13 +117,7 @@ class DataParallelLLM:
         self.args = args
         replica_args = dataclasses.replace(args, data_parallel_size=1, engine_process=True)
         places = placements(args)
-        kvc = args.kv_cache_config
-        if places[0].num_threads is not None and kvc.max_cpu_memory_bytes is None:
-            # CPU replicas share one machine's memory: each its part of the one automatic budget.
-            from enc2dec.engine.core.kv_sizing import auto_cpu_kv_budget
-
-            share = dataclasses.replace(kvc, max_cpu_memory_bytes=max(1, auto_cpu_kv_budget() // len(places)))
-            replica_args = dataclasses.replace(replica_args, kv_cache_config=share)
+        replica_args = dataclasses.replace(replica_args, kv_cache_config=replica_kv_config(args.kv_cache_config, places))
         self._stop = False
         self._lock = threading.Lock()            # routing: the in-flight counts and the choice
         self._order = itertools.count()

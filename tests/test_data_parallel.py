@@ -12,7 +12,7 @@ import pytest
 from test_serve_helpers import KV, LiveServer, ServeConfig, httpx
 
 from enc2dec.engine import LLM, LlmArgs, SamplingParams
-from enc2dec.engine.data_parallel import DataParallelLLM, placements
+from enc2dec.engine.data_parallel import DataParallelLLM, placements, replica_kv_config
 
 OPTIONS = dict(dtype="float32", max_batch_size=16, max_input_len=64, kv_cache_config=KV)
 PROMPTS = ["translate the house is big", "a b c d e", "summarize: one two three four", "hello world",
@@ -104,6 +104,20 @@ def test_gpu_groups_follow_the_visible_devices(monkeypatch):
     assert [p.env["CUDA_VISIBLE_DEVICES"] for p in placements(LlmArgs(data_parallel_size=4))] == ["3", "5", "6", "7"]
     with pytest.raises(ValueError, match=r"data_parallel_size=3 x tensor_parallel_size=2 needs 6 GPUs, but 4 are"):
         placements(LlmArgs(data_parallel_size=3, tensor_parallel_size=2))
+
+
+def test_cpu_replicas_split_one_automatic_kv_budget_and_keep_a_set_one(monkeypatch):
+    import torch
+
+    from enc2dec.engine import KvCacheConfig
+
+    places = placements(LlmArgs(data_parallel_size=4, device="cpu"))
+    unset = KvCacheConfig(cross_kv_cache_fraction=0.5)
+    assert replica_kv_config(unset, places, available=16 << 30).max_cpu_memory_bytes == (4 << 30) // 4
+    assert replica_kv_config(KvCacheConfig(max_cpu_memory_bytes=1 << 30), places).max_cpu_memory_bytes == 1 << 30
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    gpu = placements(LlmArgs(data_parallel_size=2))
+    assert replica_kv_config(unset, gpu).max_cpu_memory_bytes is None      # GPU replicas size from their own GPU
 
 
 @pytest.mark.parametrize("data, pattern", [
