@@ -43,7 +43,7 @@ class KvTracker:
             peak = max(getattr(self, f"{pool}_peak"), u["used_blocks"], u.get("peak_used_blocks", 0))
             setattr(self, f"{pool}_peak", peak)
 
-    async def poll(self, interval_s: float = 100.0) -> None:
+    async def poll(self, interval_s: float = 0.01) -> None:
         while True:
             self.sample()
             await asyncio.sleep(interval_s)
