@@ -283,14 +283,13 @@ class TorchAttentionBackend:
             return o.transpose(1, 2).reshape(num_seqs, num_heads, head_dim)
         out = None
         for rows, first, gap, size in plan["groups"]:
+            qg = q[rows[0]:rows[0] + size] if isinstance(rows, list) else q.index_select(0, rows)
             if gap == 0 and size > 1:        # rows on one request's K/V (its beams): one call, `size` queries
                 kv = view(1, first, 0)
-                qg = q[rows[0]:rows[0] + size] if isinstance(rows, list) else q.index_select(0, rows)
                 o = F.scaled_dot_product_attention(qg.transpose(0, 1)[None], kv[0], kv[1], scale=scale)[0]
                 o = o.transpose(0, 1)                                                           # [size, H, D]
             else:
                 kv = view(size, first, gap)
-                qg = q[rows[0]:rows[0] + size] if isinstance(rows, list) else q.index_select(0, rows)
                 o = F.scaled_dot_product_attention(qg.unsqueeze(2), kv[0], kv[1], scale=scale).squeeze(2)  # [G, H, D]
             if size == num_seqs and isinstance(rows, list):
                 return o

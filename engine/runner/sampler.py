@@ -122,8 +122,7 @@ class _Batch:
         staged once for the batch, not rebuilt from Python lists at every step (Whisper's
         ~90 suppressed ids per row were 4% of a CPU decode step)."""
         if not self._static_mask_made:
-            rows = [r for r, st in enumerate(self.states) for _ in st.masked_ids]
-            cols = [i for st in self.states for i in st.masked_ids]
+            rows, cols = _static_mask_indices(self.states)
             self._static_mask = tuple(to_device((rows, cols), torch.long, device)) if rows else None
             self._static_mask_made = True
         return self._static_mask
@@ -180,17 +179,15 @@ def _counted_mask_indices(states: list[SeqSamplingState], num_output_tokens: lis
     return rows, cols
 
 
+def _static_mask_indices(states: list[SeqSamplingState]):
+    """Every row's ``masked_ids`` (suppress list, bad words): the part of the mask that never changes."""
+    return [r for r, st in enumerate(states) for _ in st.masked_ids], [i for st in states for i in st.masked_ids]
+
+
 def _mask_indices(states: list[SeqSamplingState], num_output_tokens: list[int]):
-    rows, cols = [], []
-    for r, (st, n_out) in enumerate(zip(states, num_output_tokens)):
-        ids = list(st.masked_ids)
-        if n_out == 0:
-            ids += st.begin_suppress_token_ids
-        if n_out < st.params.min_tokens and not st.params.ignore_eos:
-            ids += st.min_tokens_mask_ids
-        rows += [r] * len(ids)
-        cols += ids
-    return rows, cols
+    rows, cols = _static_mask_indices(states)
+    counted_rows, counted_cols = _counted_mask_indices(states, num_output_tokens, range(len(states)))
+    return rows + counted_rows, cols + counted_cols
 
 
 @dataclass
