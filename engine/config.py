@@ -145,6 +145,7 @@ TUNING_ENV = {
     "attn_min_keys_per_split": "ENC2DEC_ATTN_MIN_KEYS_PER_SPLIT",
     "tp_timeout_s": "ENC2DEC_TP_TIMEOUT_S",
     "encoder_tokens_while_decoding": "ENC2DEC_ENCODER_TOKENS_WHILE_DECODING",
+    "encoder_beside_decoder": "ENC2DEC_ENCODER_BESIDE_DECODER",
 }
 
 
@@ -162,10 +163,15 @@ class TuningConfig:
     # latency per step; no bound for text models, whose encoders are cheap. A value bounds any
     # model (smoother inter-token latency, slower fill after a burst of arrivals).
     encoder_tokens_while_decoding: int = 0
+    # On one CUDA GPU, requests admitted while others decode are encoded on a second stream,
+    # beside the decode steps, and join the batch once their encoder has run: the running
+    # sequences no longer wait for a new request's encoder (tensor parallel and the CPU
+    # encode in the step, as before).
+    encoder_beside_decoder: bool = True
 
     def __post_init__(self):
         o = "tuning"
-        for name in ("skinny_gemm", "fused_gemv"):
+        for name in ("skinny_gemm", "fused_gemv", "encoder_beside_decoder"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{o}.{name} must be true or false, got {getattr(self, name)!r}")
         _check_positive_int(o, "attn_min_keys_per_split", self.attn_min_keys_per_split)

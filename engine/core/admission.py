@@ -28,6 +28,9 @@ class SchedulerLimits:
     # what one admission costs their inter-token latency; the first request of a step is always
     # admitted, so nothing starves.
     encoder_max_num_tokens_while_decoding: int = 0
+    # A request admitted while other sequences decode joins the batch only once the runner says
+    # its encoder has run (Scheduler.encodes_done): the runner encodes it beside the decode steps.
+    defer_joins_while_decoding: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -23,6 +23,9 @@ Policy, in the order ``schedule()`` applies it:
    request is never starved by small ones behind it. A request whose
    ``encoder_cache_key`` names cross blocks kept from a finished request shares them and is
    not encoded (``encoder_cache.py``); kept blocks give way to any request that needs room.
+   With ``defer_joins_while_decoding``, a request encoded while others decode does not decode
+   in that step: the runner encodes it beside the decode steps, and it joins the batch at the
+   first schedule() after ``encodes_done`` reports its step's ticket.
 
 Beam search: a request starts with one sequence and runs up to ``best_of`` beams, all of
 which admission reserves (batch rows and headroom). After each step ``BeamState`` picks the
@@ -82,6 +85,8 @@ class Scheduler(BeamScheduling):
         self._requests: dict[str, Request] = {}  # unfinished requests by id
         self._live_seqs: dict[int, tuple[Request, Sequence]] = {}   # unfinished seqs by seq_id
         self._finished_ids: list[str] = []       # finished or aborted since the last schedule()
+        self._encode_ticket = 0                  # the last step whose encodes join later
+        self._pending_joins: deque[tuple[int, list[Request]]] = deque()   # (ticket, requests), in order
 
     # ----------------------------------------------------------------- requests in and out
 
@@ -99,6 +104,21 @@ class Scheduler(BeamScheduling):
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def has_pending_joins(self) -> bool:
+        """Some admitted request waits for its encoder before it decodes."""
+        return bool(self._pending_joins)
+
+    def encodes_done(self, ticket: int) -> None:
+        """The encoder of every step up to ``ticket`` has run: their requests join the batch.
+        A request preempted and admitted again since waits for its new ticket instead."""
+        pending = self._pending_joins
+        while pending and pending[0][0] <= ticket:
+            done, reqs = pending.popleft()
+            for req in reqs:
+                if req.encode_pending == done:
+                    req.encode_pending = 0
 
     def check_admissible(self, req: Request) -> str | None:
         """Why ``req`` can never be scheduled with these limits and pools; None if it can."""
@@ -160,8 +180,9 @@ class Scheduler(BeamScheduling):
             req = self.running[i]
             i += 1
             seqs = _schedulable(req)
-            if req.has_step_in_flight:
-                self._reserve(req, seqs, budget)    # paused until resolve() brings its tokens
+            if req.has_step_in_flight or req.encode_pending:
+                # Paused until resolve() brings its tokens, or until its encoder has run.
+                self._reserve(req, seqs, budget)
             # Beams grow (and copy shared blocks) first; other requests only when they cross a block.
             elif (req.beam is not None and not self._grow_self_blocks(req, seqs, out)
                   or not self._emit_seqs(req, seqs, out, budget)):
@@ -204,6 +225,7 @@ class Scheduler(BeamScheduling):
         req.cross_block_ids = []
         req.status = RequestStatus.WAITING
         req.has_step_in_flight = False   # its step in flight is dropped: resolve() skips it
+        req.encode_pending = 0           # its encode in flight is dropped too: readmission encodes again
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -211,6 +233,9 @@ class Scheduler(BeamScheduling):
     def _admit_waiting(self, out: SchedulerOutput, budget: _StepBudget) -> None:
         # Bound the encoder work of a step that running sequences also wait on (their ITL).
         cap = self.limits.encoder_max_num_tokens_while_decoding if budget.num_seqs else 0
+        # Sequences decode this step: new requests join once their encoder has run beside them.
+        ticket = self._encode_ticket + 1 if self.limits.defer_joins_while_decoding and budget.num_seqs else 0
+        deferred = []
         while self.waiting:
             req = self.waiting[0]
             is_cached = req.encoder_cache_key in self.encoder_cache
@@ -218,7 +243,12 @@ class Scheduler(BeamScheduling):
                 break
             if cap and not is_cached and budget.num_encodes and budget.num_encoder_tokens + req.encoder_len > cap:
                 break
-            self._admit(self.waiting.popleft(), out, budget, is_cached)
+            self._admit(self.waiting.popleft(), out, budget, is_cached, 0 if is_cached else ticket)
+            if req.encode_pending:
+                deferred.append(req)
+        if deferred:
+            self._encode_ticket = out.encode_ticket = ticket
+            self._pending_joins.append((ticket, deferred))
 
     def _can_admit(self, req: Request, budget: _StepBudget, is_cached: bool = False) -> bool:
         """Whether ``req`` fits this step; ``is_cached``: its cross blocks are in the encoder cache
@@ -244,7 +274,10 @@ class Scheduler(BeamScheduling):
         return pool.can_allocate(num_blocks) or bool(self.encoder_cache) and \
             pool.num_free_blocks + self.encoder_cache.num_evictable_blocks() >= num_blocks
 
-    def _admit(self, req: Request, out: SchedulerOutput, budget: _StepBudget, is_cached: bool = False) -> None:
+    def _admit(self, req: Request, out: SchedulerOutput, budget: _StepBudget, is_cached: bool = False,
+               ticket: int = 0) -> None:
+        """Allocate ``req``'s blocks, schedule its encode and, unless ``ticket`` defers its join,
+        its sequences."""
         tpb = self.limits.tokens_per_block
         if is_cached:
             req.cross_block_ids = self.encoder_cache.share(req.encoder_cache_key)
@@ -267,7 +300,11 @@ class Scheduler(BeamScheduling):
             budget.num_encodes += 1
             budget.num_encoder_tokens += req.encoder_len
             budget.num_tokens += req.encoder_len
-        self._emit_seqs(req, _schedulable(req), out, budget)
+        if ticket:
+            req.encode_pending = ticket
+            self._reserve(req, _schedulable(req), budget)
+        else:
+            self._emit_seqs(req, _schedulable(req), out, budget)
 
     def _emit_seqs(self, req: Request, seqs: list[Sequence], out: SchedulerOutput, budget: _StepBudget) -> bool:
         """Schedule ``seqs`` (req's schedulable sequences), first growing their block tables where

@@ -10,6 +10,7 @@ import functools
 import itertools
 import logging
 import operator
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,6 +41,13 @@ _INPUTS, _START = operator.attrgetter("input_token_ids"), operator.attrgetter("s
 _BLOCKS, _CROSS = operator.attrgetter("block_ids"), operator.attrgetter("cross_block_ids")
 _ENC_LEN = operator.attrgetter("encoder_len")
 _NUM_OUT = operator.attrgetter("num_output_tokens")
+
+
+def encodes_beside(args, device: torch.device, tp: TensorParallelGroup) -> bool:
+    """Whether this runner encodes deferred joins on a second stream (``tuning.encoder_beside_decoder``):
+    one CUDA GPU only. Tensor-parallel encoders all-reduce, and collectives on two streams of
+    one communicator could interleave differently on each rank."""
+    return args.tuning.encoder_beside_decoder and device.type == "cuda" and tp.size == 1
 
 
 @dataclass
@@ -188,6 +196,11 @@ class ModelRunner:
         self._rows: tuple[list[SeqSamplingState], bool, bool] = ([], True, True)
         self.graphs = self._maybe_capture(attn_backend, max_input_len)
         self.encoder_graphs = self._maybe_capture_encoder(max_input_len)
+        # Encodes beside the decode steps: every encode runs on this stream, so encoder writes
+        # to the cross pool stay in one order; (event, ticket) of deferred joins not yet seen done.
+        self.encodes_beside = encodes_beside(args, device, tp)
+        self._encode_stream = torch.cuda.Stream(device) if self.encodes_beside and device.type == "cuda" else None
+        self._encodes_in_flight: deque[tuple["torch.cuda.Event | None", int]] = deque()
 
     def _maybe_capture(self, attn_backend: str, max_input_len: int):
         cfg = self.args.cuda_graph_config
@@ -313,8 +326,12 @@ class ModelRunner:
             self._register(so.encodes)
             # An encoder cache hit's cross blocks already hold its K/V (core/encoder_cache.py).
             fresh = [e for e in so.encodes if not e.reuses_cross_kv]
-            if fresh:
+            if fresh and self._encode_stream is not None:
+                self._encode_beside(fresh, so.encode_ticket)
+            elif fresh:
                 self._run_encoder(fresh)
+                if so.encode_ticket:                # no second stream (tests on the CPU): done now
+                    self._encodes_in_flight.append((None, so.encode_ticket))
         if not so.seqs:
             return PendingStep([], None)
         seq_ids = list(map(_SEQ_ID, so.seqs))
@@ -346,6 +363,31 @@ class ModelRunner:
             event = torch.cuda.Event()
             event.record()
         return PendingStep(seq_ids, sample, event, beam_ids)
+
+    def _encode_beside(self, encodes: list[ScheduledEncode], ticket: int) -> None:
+        """Encode on the second stream. With a ticket, nothing in this step reads the result: the
+        requests join once ``completed_encode_ticket`` says so; without, this step decodes them
+        and the decode waits for the encoder on the GPU."""
+        main, side = torch.cuda.current_stream(self.device), self._encode_stream
+        # The step in flight may still read cross blocks freed since (a request that just
+        # finished or was preempted) that this encode now writes.
+        side.wait_stream(main)
+        with torch.cuda.stream(side):      # inputs and activations are allocated on, and freed to, side
+            self._run_encoder(encodes)
+        if ticket:
+            event = torch.cuda.Event()
+            event.record(side)
+            self._encodes_in_flight.append((event, ticket))
+        else:
+            main.wait_stream(side)
+
+    def completed_encode_ticket(self) -> int:
+        """The last deferred-join ticket whose encoder has run (0: none new). It asks the events,
+        never waits on them."""
+        done, queue = 0, self._encodes_in_flight
+        while queue and (queue[0][0] is None or queue[0][0].query()):
+            done = queue.popleft()[1]
+        return done
 
     def _can_replay(self, so: SchedulerOutput) -> bool:
         """Whether this step's decoder half replays a graph; a step that also encodes new

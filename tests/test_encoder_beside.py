@@ -1,0 +1,242 @@
+"""The encoder beside the decoder: a request admitted while others decode is encoded on a
+second stream and joins the batch only once its encoder has run, so the running sequences
+never wait for it; its tokens are those of the engine that encodes inside the step."""
+import random
+
+import pytest
+
+from enc2dec.engine import KvCacheConfig, LlmArgs, SamplingParams
+from enc2dec.engine.core.batch import SchedulerOutput
+from enc2dec.engine.core.scheduler import Scheduler
+from enc2dec.engine.engine_core import EngineCore
+from enc2dec.engine.runner import model_runner
+
+from test_scheduler import PagedFakeModel, all_requests, check_blocks, check_limits, limits, random_workload
+
+
+class SideStreamModel(PagedFakeModel):
+    """The fake model with a second stream: a deferred encode's cross K/V lands only ``lag``
+    steps later, in ticket order, as on the GPU. A decode that reads a slot not written yet,
+    or still holding an earlier request's K/V, fails the test."""
+
+    def __init__(self, *args, rng: random.Random):
+        super().__init__(*args)
+        self.rng = rng
+        self.in_flight: list[tuple[int, int, list]] = []      # (ticket, steps left, writes)
+        self.done_ticket = 0
+
+    def _land(self, writes) -> None:
+        for slot, value in writes:
+            self.cross_kv[slot] = value
+
+    def execute(self, so: SchedulerOutput):
+        writes = [(self._slot(e.cross_block_ids, pos), (e.request_id, tok))
+                  for e in so.encodes if not e.reuses_cross_kv for pos, tok in enumerate(e.encoder_input)]
+        for e in so.encodes:
+            self.seq_index.update(zip(e.seq_ids, e.seq_indices))
+        if so.encode_ticket:
+            self.in_flight.append((so.encode_ticket, self.rng.randint(0, 3), writes))
+        else:          # this step decodes its encodes: it waits for everything on the side stream
+            for ticket, _, earlier in self.in_flight:
+                self._land(earlier)
+                self.done_ticket = ticket
+            self.in_flight.clear()
+            self._land(writes)
+        for s in so.seqs:
+            for p in range(s.encoder_len):
+                value = self.cross_kv[self._slot(s.cross_block_ids, p)]
+                assert value is not None and value[0] == s.request_id, \
+                    f"{s.request_id} decoded before its encoder had run"
+        saved = self.cross_kv
+        self.cross_kv = [v if v is None else v[1] for v in saved]
+        try:
+            return super().execute(SchedulerOutput(seqs=so.seqs))
+        finally:
+            self.cross_kv = saved
+
+    def completed_ticket(self) -> int:
+        """Tickets whose time has come, in order (a later one never lands before an earlier)."""
+        self.in_flight = [(t, left - 1, w) for t, left, w in self.in_flight]
+        while self.in_flight and self.in_flight[0][1] < 0:
+            ticket, _, writes = self.in_flight.pop(0)
+            self._land(writes)
+            self.done_ticket = ticket
+        return self.done_ticket
+
+
+def _run(sched: Scheduler, model, arrivals, rng: random.Random, abort_prob: float = 0.0) -> list[SchedulerOutput]:
+    outputs = []
+    for step in range(20_000):
+        for req in arrivals.get(step, []):
+            sched.add_request(req)
+        if step > max(arrivals) and not sched.has_unfinished_requests():
+            return outputs
+        unfinished = [r.request_id for r in [*sched.waiting, *sched.running]]
+        if abort_prob and rng.random() < abort_prob and unfinished:
+            sched.abort_request(rng.choice(unfinished))
+        if isinstance(model, SideStreamModel) and sched.has_pending_joins:
+            sched.encodes_done(model.completed_ticket())
+        so = sched.schedule()
+        check_blocks(sched)
+        check_limits(sched, so)
+        outputs.append(so)
+        sched.update(so, model.execute(so))
+    raise AssertionError("the scheduler did not drain")
+
+
+def _tokens(arrivals):
+    return {(r.request_id, s.index): (s.token_ids, s.status) for r in all_requests(arrivals) for s in r.seqs}
+
+
+@pytest.mark.parametrize("seed", [3, 7])
+@pytest.mark.parametrize("num_self_blocks", [10_000, 40])
+def test_deferred_joins_give_the_same_tokens_and_never_read_an_unwritten_encoder(seed, num_self_blocks):
+    """Random arrivals, n > 1, and (with 40 self blocks) preemptions, some of a request whose
+    encode is still in flight: readmitted, it must wait for its new encode, not the old one."""
+    def run(defer: bool):
+        lim = limits(max_batch_size=12, tokens_per_block=4)
+        if defer:
+            lim = type(lim)(**{**lim.__dict__, "defer_joins_while_decoding": True})
+        sched = Scheduler(lim, num_self_blocks, 1000)
+        arrivals = random_workload(seed, num_requests=40)
+        rng = random.Random(seed)
+        model = SideStreamModel(num_self_blocks, 1000, 4, rng=rng) if defer else PagedFakeModel(num_self_blocks, 1000, 4)
+        outputs = _run(sched, model, arrivals, rng)
+        return _tokens(arrivals), outputs, sched
+
+    reference, _, _ = run(False)
+    tokens, outputs, sched = run(True)
+    assert tokens == reference
+    deferred = [o for o in outputs if o.encode_ticket]
+    assert len(deferred) > 5, "the workload never admitted a request while others decoded"
+    for o in deferred:           # nothing encoded in a deferring step decodes in it, unless cached
+        joined = {s.request_id for s in o.seqs}
+        assert not joined & {e.request_id for e in o.encodes if not e.reuses_cross_kv}
+    if num_self_blocks == 40:
+        assert sched.num_preemptions > 0
+    assert not sched.has_pending_joins
+
+
+def test_a_request_admitted_into_an_idle_engine_decodes_in_its_encode_step():
+    """Nobody waits for the encoder then: deferring would only add a step to its first token."""
+    lim = type(limits())(**{**limits().__dict__, "defer_joins_while_decoding": True})
+    sched = Scheduler(lim, 1000, 1000)
+    from test_scheduler import make_request
+    sched.add_request(make_request("a", 4, 5, ignore_eos=True))
+    so = sched.schedule()
+    assert so.encode_ticket == 0 and [s.request_id for s in so.seqs] == ["a"]
+
+
+def test_aborts_while_encodes_are_in_flight_leak_nothing():
+    rng = random.Random(5)
+    lim = type(limits())(**{**limits(max_batch_size=8).__dict__, "defer_joins_while_decoding": True})
+    sched = Scheduler(lim, 200, 1000)
+    arrivals = random_workload(5, num_requests=40)
+    _run(sched, SideStreamModel(200, 1000, 4, rng=rng), arrivals, rng, abort_prob=0.2)
+    assert sched.self_pool.num_used_blocks == 0 and sched.cross_pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_engine_with_deferred_joins_matches_the_engine_without(flan_t5, monkeypatch, overlap):
+    """The real engine loop and runner on the CPU (which has no second stream: its encodes run in
+    the step, their tickets done at once): more requests than batch rows, so most are
+    admitted while others decode; the tokens equal those of the engine that never defers."""
+    prompts = [f"translate English to German: sentence number {i} is here" for i in range(9)]
+    params = [SamplingParams(max_tokens=4 + i % 5, temperature=0.0, ignore_eos=True) for i in range(9)]
+
+    def run(beside: bool):
+        monkeypatch.setattr(model_runner, "encodes_beside", lambda args, device, tp: beside)
+        core = EngineCore(LlmArgs(model=flan_t5, dtype="float32", max_batch_size=3,
+                                  disable_overlap_scheduler=not overlap,
+                                  kv_cache_config=KvCacheConfig(cross_kv_cache_fraction=0.5, tokens_per_block=4,
+                                                                max_cpu_memory_bytes=64 << 20)))
+        tickets = []
+        launch = core.runner.launch
+        core.runner.launch = lambda so: (tickets.append(so.encode_ticket), launch(so))[1]
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            core.add(core.make_request(p, sp, request_id=f"r{i}"))
+        results, steps = {}, 0
+        while core.has_work():
+            results.update((o.request_id, o.outputs[0].token_ids) for o in core.step() if o.finished)
+            steps += 1
+            assert steps < 500
+        core.shutdown()
+        return results, tickets
+
+    reference, no_tickets = run(False)
+    results, tickets = run(True)
+    assert not any(no_tickets)
+    assert sum(1 for t in tickets if t) >= 3
+    assert results == reference and len(results) == len(prompts)
+
+
+def test_a_request_preempted_during_its_encode_waits_for_its_new_one():
+    """Its first encode's ticket coming in must not let it join: the cross blocks it holds now are
+    written by the second encode, which may still be running."""
+    from test_scheduler import make_request
+    lim = type(limits())(**{**limits().__dict__, "defer_joins_while_decoding": True})
+    sched = Scheduler(lim, 1000, 1000)
+    a, b = make_request("a", 4, 50, ignore_eos=True), make_request("b", 4, 50, ignore_eos=True)
+    sched.add_request(a)
+    sched.advance(sched.schedule())            # a decodes (placeholders: nothing resolves here)
+    sched.add_request(b)
+    first = sched.schedule()
+    assert first.encode_ticket == 1 and b.encode_pending == 1 and "b" not in {s.request_id for s in first.seqs}
+    sched.advance(first)
+    sched._preempt(b)                          # as the pool running short would
+    second = sched.schedule()
+    assert [e.request_id for e in second.encodes] == ["b"] and second.encode_ticket == 2
+    sched.advance(second)
+    sched.encodes_done(1)
+    assert b.encode_pending == 2 and "b" not in {s.request_id for s in sched.schedule().seqs}
+    sched.encodes_done(2)
+    assert b.encode_pending == 0 and "b" in {s.request_id for s in sched.schedule().seqs}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("checkpoint", ["flan_t5", "whisper"])
+def test_on_the_gpu_encodes_beside_the_decoder_give_the_same_tokens_without_syncing(checkpoint, request):
+    """On the second stream for real (CUDA graphs on both sides for Whisper): more requests than
+    rows, lengths spread, every step under the sync debug mode; the tokens equal those of the
+    engine that encodes inside the step."""
+    import numpy as np
+    import torch
+    from gpu_sync import syncs_raise
+
+    from enc2dec.engine import LLM, TuningConfig
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    path = request.getfixturevalue(checkpoint)
+    if checkpoint == "whisper":
+        prompts = [{"multi_modal_data": {"audio": [(np.random.default_rng(i).standard_normal(16000 * (1 + i % 3))
+                                                    .astype(np.float32) * 0.1, 16000)]}} for i in range(10)]
+    else:
+        prompts = [f"translate English to German: sentence number {i} is here" for i in range(10)]
+    params = [SamplingParams(max_tokens=6 + 3 * (i % 4), temperature=0.0, ignore_eos=True) for i in range(10)]
+    kv = KvCacheConfig(cross_kv_cache_fraction=0.5, free_gpu_memory_fraction=0.2)
+
+    def run(beside: bool):
+        with LLM(path, dtype="bfloat16", max_batch_size=4, kv_cache_config=kv,
+                 tuning=TuningConfig(encoder_beside_decoder=beside)) as llm:
+            core = llm.engine
+            assert core.runner.encodes_beside is beside
+            llm.generate(prompts[:2], params[:2], use_tqdm=False)          # warm-up: lazy init may sync once
+            inner, launch, tickets = core.step, core.runner.launch, []
+
+            def strict_step():
+                with syncs_raise():
+                    return inner()
+
+            core.step = strict_step
+            core.runner.launch = lambda so: (tickets.append(so.encode_ticket), launch(so))[1]
+            try:
+                outs = llm.generate(prompts, params, use_tqdm=False)
+            finally:
+                core.step, core.runner.launch = inner, launch
+            return [o.outputs[0].token_ids for o in outs], tickets
+
+    reference, no_tickets = run(False)
+    tokens, tickets = run(True)
+    assert not any(no_tickets) and sum(1 for t in tickets if t) >= 3
+    assert tokens == reference
