@@ -164,9 +164,9 @@ class TuningConfig:
     # model (smoother inter-token latency, slower fill after a burst of arrivals).
     encoder_tokens_while_decoding: int = 0
     # On one CUDA GPU, requests admitted while others decode are encoded on a second stream,
-    # beside the decode steps, and join the batch once their encoder has run: the running
-    # sequences no longer wait for a new request's encoder (tensor parallel and the CPU
-    # encode in the step, as before).
+    # beside the next decode step, and join the batch one step later: the running sequences
+    # no longer wait for a new request's encoder (tensor parallel and the CPU encode in the
+    # step, as before).
     encoder_beside_decoder: bool = True
 
     def __post_init__(self):

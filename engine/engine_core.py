@@ -33,6 +33,9 @@ from enc2dec.engine.core.scheduler import Scheduler, SchedulerLimits
 logger = logging.getLogger("enc2dec")
 
 WHISPER_ENCODER_LEN = 1500
+# Decode steps a request admitted while others decode waits before it joins them, its encoder
+# running beside those steps (tuning.encoder_beside_decoder).
+ENCODER_JOIN_STEPS = 1
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -177,9 +180,8 @@ class EngineCore:
                     plan.describe(max_input_len, args.max_seq_len or 256))
         if self.runner.graphs is not None:
             self.limits = dataclasses.replace(self.limits, feed_prompt_one_token_per_step=True)
-        self._encodes_beside = getattr(self.runner, "encodes_beside", False)   # a tensor-parallel driver: no
-        if self._encodes_beside:
-            self.limits = dataclasses.replace(self.limits, defer_joins_while_decoding=True)
+        if getattr(self.runner, "encodes_beside", False):          # a tensor-parallel driver has none
+            self.limits = dataclasses.replace(self.limits, defer_joins_while_decoding=ENCODER_JOIN_STEPS)
         self.scheduler = Scheduler(self.limits, plan.num_self_blocks, plan.num_cross_blocks)
         self._live: dict[str, _Tracked] = {}
         self._ids = itertools.count()
@@ -251,17 +253,10 @@ class EngineCore:
     # ---- the loop -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """schedule -> launch -> advance -> resolve the previous step (overlap) or this one."""
-        if self._encodes_beside and self.scheduler.has_pending_joins:
-            ticket = self.runner.completed_encode_ticket()
-            if ticket:
-                self.scheduler.encodes_done(ticket)
         so = self.scheduler.schedule()
         if so.is_empty and self._inflight is not None:
             # All that runs waits for the step in flight (a request that needs its tokens): take it now.
             return self._resolve_inflight() + self.step()
-        if so.is_empty and self.scheduler.has_pending_joins:
-            time.sleep(2e-4)        # only encoders run: let other threads have the GIL meanwhile
-            return []
         launched = None
         if not so.is_empty:
             try:

@@ -1,6 +1,7 @@
 """The encoder beside the decoder: a request admitted while others decode is encoded on a
-second stream and joins the batch only once its encoder has run, so the running sequences
-never wait for it; its tokens are those of the engine that encodes inside the step."""
+second stream beside the next decode step and joins the batch one step later, in a step that
+waits for that encoder; the running sequences never wait for it, and its tokens are those of
+the engine that encodes inside the step."""
 import random
 
 import pytest
@@ -15,33 +16,34 @@ from test_scheduler import PagedFakeModel, all_requests, check_blocks, check_lim
 
 
 class SideStreamModel(PagedFakeModel):
-    """The fake model with a second stream: a deferred encode's cross K/V lands only ``lag``
-    steps later, in ticket order, as on the GPU. A decode that reads a slot not written yet,
-    or still holding an earlier request's K/V, fails the test."""
+    """The fake model with a second stream: a deferred encode's cross K/V lands at some later
+    step, in ticket order, and at the latest when a step waits for it (``join_ticket``), as on
+    the GPU. A decode that reads a slot not written yet, or still holding an earlier request's
+    K/V, fails the test."""
 
     def __init__(self, *args, rng: random.Random):
         super().__init__(*args)
         self.rng = rng
-        self.in_flight: list[tuple[int, int, list]] = []      # (ticket, steps left, writes)
-        self.done_ticket = 0
+        self.in_flight: list[tuple[int, list]] = []      # (ticket, writes), in order
 
-    def _land(self, writes) -> None:
-        for slot, value in writes:
-            self.cross_kv[slot] = value
+    def _land(self, up_to: float) -> None:
+        while self.in_flight and self.in_flight[0][0] <= up_to:
+            for slot, value in self.in_flight.pop(0)[1]:
+                self.cross_kv[slot] = value
 
     def execute(self, so: SchedulerOutput):
         writes = [(self._slot(e.cross_block_ids, pos), (e.request_id, tok))
                   for e in so.encodes if not e.reuses_cross_kv for pos, tok in enumerate(e.encoder_input)]
         for e in so.encodes:
             self.seq_index.update(zip(e.seq_ids, e.seq_indices))
+        if self.in_flight and self.rng.random() < 0.3:        # the side stream got ahead on its own
+            self._land(self.in_flight[0][0])
+        self._land(so.join_ticket)                            # this step waits for those
         if so.encode_ticket:
-            self.in_flight.append((so.encode_ticket, self.rng.randint(0, 3), writes))
-        else:          # this step decodes its encodes: it waits for everything on the side stream
-            for ticket, _, earlier in self.in_flight:
-                self._land(earlier)
-                self.done_ticket = ticket
-            self.in_flight.clear()
-            self._land(writes)
+            self.in_flight.append((so.encode_ticket, writes))
+        elif writes:   # this step decodes its encodes: it waits for everything on the side stream
+            self.in_flight.append((float("inf"), writes))
+            self._land(float("inf"))
         for s in so.seqs:
             for p in range(s.encoder_len):
                 value = self.cross_kv[self._slot(s.cross_block_ids, p)]
@@ -54,15 +56,6 @@ class SideStreamModel(PagedFakeModel):
         finally:
             self.cross_kv = saved
 
-    def completed_ticket(self) -> int:
-        """Tickets whose time has come, in order (a later one never lands before an earlier)."""
-        self.in_flight = [(t, left - 1, w) for t, left, w in self.in_flight]
-        while self.in_flight and self.in_flight[0][1] < 0:
-            ticket, _, writes = self.in_flight.pop(0)
-            self._land(writes)
-            self.done_ticket = ticket
-        return self.done_ticket
-
 
 def _run(sched: Scheduler, model, arrivals, rng: random.Random, abort_prob: float = 0.0) -> list[SchedulerOutput]:
     outputs = []
@@ -74,8 +67,6 @@ def _run(sched: Scheduler, model, arrivals, rng: random.Random, abort_prob: floa
         unfinished = [r.request_id for r in [*sched.waiting, *sched.running]]
         if abort_prob and rng.random() < abort_prob and unfinished:
             sched.abort_request(rng.choice(unfinished))
-        if isinstance(model, SideStreamModel) and sched.has_pending_joins:
-            sched.encodes_done(model.completed_ticket())
         so = sched.schedule()
         check_blocks(sched)
         check_limits(sched, so)
@@ -96,7 +87,7 @@ def test_deferred_joins_give_the_same_tokens_and_never_read_an_unwritten_encoder
     def run(defer: bool):
         lim = limits(max_batch_size=12, tokens_per_block=4)
         if defer:
-            lim = type(lim)(**{**lim.__dict__, "defer_joins_while_decoding": True})
+            lim = type(lim)(**{**lim.__dict__, "defer_joins_while_decoding": 1})
         sched = Scheduler(lim, num_self_blocks, 1000)
         arrivals = random_workload(seed, num_requests=40)
         rng = random.Random(seed)
@@ -114,12 +105,11 @@ def test_deferred_joins_give_the_same_tokens_and_never_read_an_unwritten_encoder
         assert not joined & {e.request_id for e in o.encodes if not e.reuses_cross_kv}
     if num_self_blocks == 40:
         assert sched.num_preemptions > 0
-    assert not sched.has_pending_joins
 
 
 def test_a_request_admitted_into_an_idle_engine_decodes_in_its_encode_step():
     """Nobody waits for the encoder then: deferring would only add a step to its first token."""
-    lim = type(limits())(**{**limits().__dict__, "defer_joins_while_decoding": True})
+    lim = type(limits())(**{**limits().__dict__, "defer_joins_while_decoding": 1})
     sched = Scheduler(lim, 1000, 1000)
     from test_scheduler import make_request
     sched.add_request(make_request("a", 4, 5, ignore_eos=True))
@@ -129,7 +119,7 @@ def test_a_request_admitted_into_an_idle_engine_decodes_in_its_encode_step():
 
 def test_aborts_while_encodes_are_in_flight_leak_nothing():
     rng = random.Random(5)
-    lim = type(limits())(**{**limits(max_batch_size=8).__dict__, "defer_joins_while_decoding": True})
+    lim = type(limits())(**{**limits(max_batch_size=8).__dict__, "defer_joins_while_decoding": 1})
     sched = Scheduler(lim, 200, 1000)
     arrivals = random_workload(5, num_requests=40)
     _run(sched, SideStreamModel(200, 1000, 4, rng=rng), arrivals, rng, abort_prob=0.2)
@@ -171,26 +161,28 @@ def test_engine_with_deferred_joins_matches_the_engine_without(flan_t5, monkeypa
 
 
 def test_a_request_preempted_during_its_encode_waits_for_its_new_one():
-    """Its first encode's ticket coming in must not let it join: the cross blocks it holds now are
+    """Its first encode's turn coming must not let it join: the cross blocks it holds now are
     written by the second encode, which may still be running."""
     from test_scheduler import make_request
-    lim = type(limits())(**{**limits().__dict__, "defer_joins_while_decoding": True})
+    lim = type(limits())(**{**limits().__dict__, "defer_joins_while_decoding": 2})
     sched = Scheduler(lim, 1000, 1000)
     a, b = make_request("a", 4, 50, ignore_eos=True), make_request("b", 4, 50, ignore_eos=True)
     sched.add_request(a)
     sched.advance(sched.schedule())            # a decodes (placeholders: nothing resolves here)
     sched.add_request(b)
     first = sched.schedule()
-    assert first.encode_ticket == 1 and b.encode_pending == 1 and "b" not in {s.request_id for s in first.seqs}
+    assert first.encode_ticket and b.encode_pending == first.encode_ticket
+    assert "b" not in {s.request_id for s in first.seqs}
     sched.advance(first)
     sched._preempt(b)                          # as the pool running short would
-    second = sched.schedule()
-    assert [e.request_id for e in second.encodes] == ["b"] and second.encode_ticket == 2
+    second = sched.schedule()                  # readmitted: a second ticket
+    assert [e.request_id for e in second.encodes] == ["b"] and second.encode_ticket > first.encode_ticket
     sched.advance(second)
-    sched.encodes_done(1)
-    assert b.encode_pending == 2 and "b" not in {s.request_id for s in sched.schedule().seqs}
-    sched.encodes_done(2)
-    assert b.encode_pending == 0 and "b" in {s.request_id for s in sched.schedule().seqs}
+    third = sched.schedule()                   # the first ticket's turn: b still waits
+    assert "b" not in {s.request_id for s in third.seqs} and third.join_ticket < second.encode_ticket
+    sched.advance(third)
+    fourth = sched.schedule()
+    assert "b" in {s.request_id for s in fourth.seqs} and fourth.join_ticket == second.encode_ticket
 
 
 @pytest.mark.gpu

@@ -28,14 +28,15 @@ class SchedulerLimits:
     # what one admission costs their inter-token latency; the first request of a step is always
     # admitted, so nothing starves.
     encoder_max_num_tokens_while_decoding: int = 0
-    # A request admitted while other sequences decode joins the batch only once the runner says
-    # its encoder has run (Scheduler.encodes_done): the runner encodes it beside the decode steps.
-    defer_joins_while_decoding: bool = False
+    # k > 0: a request admitted while other sequences decode joins the batch k steps later; the
+    # runner encodes it beside those k decode steps (0: it decodes in its admission step).
+    defer_joins_while_decoding: int = 0
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, bool) or f.name == "encoder_max_num_tokens_while_decoding" and value == 0:
+            if isinstance(value, bool) or value == 0 and f.name in ("encoder_max_num_tokens_while_decoding",
+                                                                    "defer_joins_while_decoding"):
                 continue
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{f.name} must be a positive integer, got {value!r}")

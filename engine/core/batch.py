@@ -67,9 +67,12 @@ class SchedulerOutput:
     # Self-pool (src, dst) block copies to run before this step's attention: a beam about to
     # write into a partly filled block it shares with its siblings gets its own copy first.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
-    # Nonzero: this step's fresh encodes are deferred joins (SchedulerLimits.defer_joins_while_decoding),
-    # none of them decodes in this step; the runner reports the ticket once their encoder has run.
+    # Nonzero: this step's fresh encodes are deferred joins (SchedulerLimits.defer_joins_while_decoding):
+    # none of them decodes in this step, so the runner may encode them beside it.
     encode_ticket: int = 0
+    # The last encode ticket whose requests have joined (in this step or before): this step's
+    # decode must not start before the encodes up to it have run.
+    join_ticket: int = 0
 
     @property
     def is_empty(self) -> bool:

@@ -130,8 +130,8 @@ class Request:
     # request while a step of it is in flight (launched, not yet resolved): it pauses alone.
     needs_host_tokens: bool = False
     has_step_in_flight: bool = False
-    # Nonzero: admitted with a deferred join, waiting for the encoder of that step's ticket
-    # (SchedulerOutput.encode_ticket); the request keeps its rows but is not scheduled.
+    # Nonzero: admitted with a deferred join (SchedulerOutput.encode_ticket), not yet joined; the
+    # request keeps its rows but is not scheduled.
     encode_pending: int = 0
     # Beam search (a beam_search.BeamState): ``seqs`` are then the running beams, best first,
     # starting from one; finished hypotheses live in the state, not in ``seqs``.

@@ -23,9 +23,11 @@ Policy, in the order ``schedule()`` applies it:
    request is never starved by small ones behind it. A request whose
    ``encoder_cache_key`` names cross blocks kept from a finished request shares them and is
    not encoded (``encoder_cache.py``); kept blocks give way to any request that needs room.
-   With ``defer_joins_while_decoding``, a request encoded while others decode does not decode
-   in that step: the runner encodes it beside the decode steps, and it joins the batch at the
-   first schedule() after ``encodes_done`` reports its step's ticket.
+   With ``defer_joins_while_decoding`` (k), a request encoded while others decode does not decode
+   in that step: the runner encodes it beside the next k decode steps, and it joins the batch
+   k schedule() calls later, in a step whose ``join_ticket`` tells the runner to wait (on the
+   GPU) for that encoder. A fixed k, not "once the encoder is seen done", keeps the batches,
+   and so the outputs, the same from run to run.
 
 Beam search: a request starts with one sequence and runs up to ``best_of`` beams, all of
 which admission reserves (batch rows and headroom). After each step ``BeamState`` picks the
@@ -85,7 +87,8 @@ class Scheduler(BeamScheduling):
         self._requests: dict[str, Request] = {}  # unfinished requests by id
         self._live_seqs: dict[int, tuple[Request, Sequence]] = {}   # unfinished seqs by seq_id
         self._finished_ids: list[str] = []       # finished or aborted since the last schedule()
-        self._encode_ticket = 0                  # the last step whose encodes join later
+        self._num_schedules = 0                  # schedule() calls: an encode's ticket is its call's number
+        self._joined_ticket = 0                  # the last ticket whose requests joined
         self._pending_joins: deque[tuple[int, list[Request]]] = deque()   # (ticket, requests), in order
 
     # ----------------------------------------------------------------- requests in and out
@@ -105,19 +108,15 @@ class Scheduler(BeamScheduling):
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
-    @property
-    def has_pending_joins(self) -> bool:
-        """Some admitted request waits for its encoder before it decodes."""
-        return bool(self._pending_joins)
-
-    def encodes_done(self, ticket: int) -> None:
-        """The encoder of every step up to ``ticket`` has run: their requests join the batch.
-        A request preempted and admitted again since waits for its new ticket instead."""
-        pending = self._pending_joins
-        while pending and pending[0][0] <= ticket:
-            done, reqs = pending.popleft()
+    def _join_encoded(self) -> None:
+        """Requests whose encode was k schedule() calls ago join this step. A request preempted
+        and admitted again since waits for its new ticket instead."""
+        pending, due = self._pending_joins, self._num_schedules - self.limits.defer_joins_while_decoding
+        while pending and pending[0][0] <= due:
+            ticket, reqs = pending.popleft()
+            self._joined_ticket = ticket
             for req in reqs:
-                if req.encode_pending == done:
+                if req.encode_pending == ticket:
                     req.encode_pending = 0
 
     def check_admissible(self, req: Request) -> str | None:
@@ -163,6 +162,11 @@ class Scheduler(BeamScheduling):
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = _StepBudget()
+        self._num_schedules += 1
+        if self._pending_joins:
+            self._join_encoded()
+        # Every step carries it: the runner waits once per ticket, whichever step comes first.
+        out.join_ticket = self._joined_ticket
         self._schedule_running(out, budget)
         # After a preemption the preempted request heads the queue and cannot fit yet, so
         # FCFS admits nothing anyway; saying so keeps admission from eating freed blocks.
@@ -234,7 +238,7 @@ class Scheduler(BeamScheduling):
         # Bound the encoder work of a step that running sequences also wait on (their ITL).
         cap = self.limits.encoder_max_num_tokens_while_decoding if budget.num_seqs else 0
         # Sequences decode this step: new requests join once their encoder has run beside them.
-        ticket = self._encode_ticket + 1 if self.limits.defer_joins_while_decoding and budget.num_seqs else 0
+        ticket = self._num_schedules if self.limits.defer_joins_while_decoding and budget.num_seqs else 0
         deferred = []
         while self.waiting:
             req = self.waiting[0]
@@ -247,7 +251,7 @@ class Scheduler(BeamScheduling):
             if req.encode_pending:
                 deferred.append(req)
         if deferred:
-            self._encode_ticket = out.encode_ticket = ticket
+            out.encode_ticket = ticket
             self._pending_joins.append((ticket, deferred))
 
     def _can_admit(self, req: Request, budget: _StepBudget, is_cached: bool = False) -> bool:

@@ -197,10 +197,10 @@ class ModelRunner:
         self.graphs = self._maybe_capture(attn_backend, max_input_len)
         self.encoder_graphs = self._maybe_capture_encoder(max_input_len)
         # Encodes beside the decode steps: every encode runs on this stream, so encoder writes
-        # to the cross pool stay in one order; (event, ticket) of deferred joins not yet seen done.
+        # to the cross pool stay in one order; (ticket, event) of deferred joins not yet waited for.
         self.encodes_beside = encodes_beside(args, device, tp)
         self._encode_stream = torch.cuda.Stream(device) if self.encodes_beside and device.type == "cuda" else None
-        self._encodes_in_flight: deque[tuple["torch.cuda.Event | None", int]] = deque()
+        self._encodes_in_flight: deque[tuple[int, torch.cuda.Event]] = deque()
 
     def _maybe_capture(self, attn_backend: str, max_input_len: int):
         cfg = self.args.cuda_graph_config
@@ -330,8 +330,8 @@ class ModelRunner:
                 self._encode_beside(fresh, so.encode_ticket)
             elif fresh:
                 self._run_encoder(fresh)
-                if so.encode_ticket:                # no second stream (tests on the CPU): done now
-                    self._encodes_in_flight.append((None, so.encode_ticket))
+        if self._encodes_in_flight and self._encodes_in_flight[0][0] <= so.join_ticket:
+            self._wait_for_encodes(so.join_ticket)
         if not so.seqs:
             return PendingStep([], None)
         seq_ids = list(map(_SEQ_ID, so.seqs))
@@ -366,8 +366,8 @@ class ModelRunner:
 
     def _encode_beside(self, encodes: list[ScheduledEncode], ticket: int) -> None:
         """Encode on the second stream. With a ticket, nothing in this step reads the result: the
-        requests join once ``completed_encode_ticket`` says so; without, this step decodes them
-        and the decode waits for the encoder on the GPU."""
+        requests join in a later step, which waits for it (``_wait_for_encodes``); without, this
+        step decodes them and its decode waits for the encoder now. Waits are on the GPU only."""
         main, side = torch.cuda.current_stream(self.device), self._encode_stream
         # The step in flight may still read cross blocks freed since (a request that just
         # finished or was preempted) that this encode now writes.
@@ -377,17 +377,17 @@ class ModelRunner:
         if ticket:
             event = torch.cuda.Event()
             event.record(side)
-            self._encodes_in_flight.append((event, ticket))
+            self._encodes_in_flight.append((ticket, event))
         else:
             main.wait_stream(side)
 
-    def completed_encode_ticket(self) -> int:
-        """The last deferred-join ticket whose encoder has run (0: none new). It asks the events,
-        never waits on them."""
-        done, queue = 0, self._encodes_in_flight
-        while queue and (queue[0][0] is None or queue[0][0].query()):
-            done = queue.popleft()[1]
-        return done
+    def _wait_for_encodes(self, ticket: int) -> None:
+        """The main stream waits for the encodes up to ``ticket`` (one stream: the last is enough)."""
+        queue, last = self._encodes_in_flight, None
+        while queue and queue[0][0] <= ticket:
+            last = queue.popleft()[1]
+        if last is not None:
+            torch.cuda.current_stream(self.device).wait_event(last)
 
     def _can_replay(self, so: SchedulerOutput) -> bool:
         """Whether this step's decoder half replays a graph; a step that also encodes new
