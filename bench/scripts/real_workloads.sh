@@ -19,6 +19,7 @@
 #            TURBO_BUDGETS, encoder tokens per decoding step)
 #   fp8      whisper-large-v3 (and flan-t5-large) at C=64 with --kv-cache-dtype fp8, against the
 #            same runs with bf16 KV (wh-plain, t5-greedy: run those sections in the same call)
+#   desync-ab flan-t5-large and whisper-large-v3 with lengths spread, encoder beside / inside the step
 #   wh-instep, t5-instep, turbo-instep: the encoder back inside the step (ENC2DEC_ENCODER_BESIDE_DECODER=0),
 #            against the default encoder beside the decoder: whisper-large-v3 plain, flan-t5-large
 #            with lengths spread, turbo (run whisper, desync, turbo in the same call)
@@ -163,6 +164,11 @@ for section in $SECTIONS; do
     run wh-mixed $LIMIT $WHRUN --timestamps-every $MIX ;;
   serve) for a in ${SERVE_API:-auto 1}; do serve_bench "$a"; done ;;
   wh-instep) RUN_ENV=ENC2DEC_ENCODER_BESIDE_DECODER=0 run wh-plain-instep $LIMIT $WHRUN ;;
+  desync-ab)   # lengths spread (arrivals out of step), the encoder beside the decoder and inside the step
+    run t5-desync $LIMIT $T5RUN --output-dist uniform
+    RUN_ENV=ENC2DEC_ENCODER_BESIDE_DECODER=0 run t5-desync-instep $LIMIT $T5RUN --output-dist uniform
+    run wh-desync $LIMIT $WHRUN --output-dist uniform
+    RUN_ENV=ENC2DEC_ENCODER_BESIDE_DECODER=0 run wh-desync-instep $LIMIT $WHRUN --output-dist uniform ;;
   t5-instep) RUN_ENV=ENC2DEC_ENCODER_BESIDE_DECODER=0 run t5-desync-instep $LIMIT $T5RUN --output-dist uniform ;;
   turbo-instep)
     RUN_ENV=ENC2DEC_ENCODER_BESIDE_DECODER=0 run turbo-instep $LIMIT --model $WHT $COMMON $AUD \
@@ -236,6 +242,7 @@ rows = [
     ("turbo unbounded encoder / turbo", ratio(level("turbo-unbounded"), level("turbo-hfc", conc=c)), 1.0),
     ("whisper plain: encoder beside / in step", ratio(level("wh-plain"), level("wh-plain-instep")), 1.0),
     ("t5 lengths spread: beside / in step", ratio(level("t5-desync"), level("t5-desync-instep")), 1.0),
+    ("whisper lengths spread: beside / in step", ratio(level("wh-desync"), level("wh-desync-instep")), 1.0),
     ("turbo: beside / in step", ratio(level("turbo-hfc", conc=c), level("turbo-instep")), 1.0),
     ("whisper fp8 KV / bf16 KV", ratio(level("wh-fp8"), level("wh-plain")), 12000 / 9000),
     ("t5 fp8 KV / bf16 KV", ratio(level("t5-fp8"), level("t5-greedy")), 1.0),
