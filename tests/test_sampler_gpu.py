@@ -154,3 +154,34 @@ def test_every_kind_of_row_steps_together_without_syncing(whisper_ts):
     assert second[5].outputs[0].token_ids[0] >= tok.timestamp_begin    # the text opens with a timestamp
     assert second[7].outputs[0].token_ids[0] in tok.languages.values()
     assert second[7].outputs[0].token_ids[1:1 + len(forced)] == forced
+
+
+def test_whisper_beam_rows_apply_their_rules_without_syncing():
+    """Beam rows with language detection, begin-suppress and the timestamp grammar: the batched
+    rules over the beams' host ids stage their windows without waiting for the GPU, and propose
+    the candidates the CPU proposes."""
+    from enc2dec.engine.whisper.rules import DetectLanguage, SuppressAtBegin, TimestampRules
+
+    vocab, eot, no_ts, ts = 300, 100, 199, 200
+    rules = [DetectLanguage([150, 151], [160, 161]), SuppressAtBegin(3, (eot, 7)), TimestampRules(3, eot, no_ts, ts, 50)]
+    state = SeqSamplingState(SamplingParams(max_tokens=20, use_beam_search=True, best_of=3, logits_processors=rules),
+                             (eot,), (), suppress_token_ids=(3,))
+    # A group mid-text (text, a lone stamp, a closed pair) and one at its first forced token.
+    histories = [[150, 160, 161, ts, 5], [150, 160, 161, ts, 5, ts + 4], [150, 160, 161, ts, ts + 2, ts + 2], [151]]
+    groups = [BeamGroup(0, 3, 6), BeamGroup(3, 1, 2)]
+    logits = torch.randn(len(histories), vocab, generator=torch.Generator().manual_seed(0)) * 3    # [S, V]
+
+    def step(sampler, device):
+        return sampler.sample(logits.to(device), [state] * len(histories), list(map(len, histories)), groups,
+                              [-1.0, -1.2, -1.1, -0.4], histories, list(range(len(histories))))
+
+    sampler = Sampler()
+    step(sampler, "cuda").beams.output()       # warm-up: lazy CUDA init and cached constants may sync once
+    torch.cuda.synchronize()
+    with syncs_raise():
+        queue_busy_work(20)
+        sample = step(sampler, "cuda").to_host(non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+    event.synchronize()
+    assert sample.beams.output() == step(Sampler(), "cpu").beams.output()

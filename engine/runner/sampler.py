@@ -255,19 +255,51 @@ def _row_processors(st: SeqSamplingState) -> list:
     return [fn for fn in st.params.logits_processors or () if not getattr(fn, "batched", False)]
 
 
-def _batched_rules(states: list[SeqSamplingState]):
-    """Rows of the rules the sampler applies batched (``batched = True``), by rule class:
-    ``{cls: (rows, rule objects)}``, and the rows whose chosen tokens go into the history."""
+def _group_rules(states: list[SeqSamplingState], rows) -> dict[type, tuple[list[int], list]]:
+    """The rules of ``rows`` that the sampler applies batched (``batched = True``), by rule
+    class: ``{cls: (rows, rule objects)}``."""
     by_rule: dict[type, tuple[list[int], list]] = {}
-    for r, st in enumerate(states):
-        if st.params.use_beam_search or not st.params.logits_processors:
-            continue
-        for fn in st.params.logits_processors:
+    for r in rows:
+        for fn in states[r].params.logits_processors or ():
             if getattr(fn, "batched", False):
                 rule_rows, fns = by_rule.setdefault(type(fn), ([], []))
                 rule_rows.append(r)
                 fns.append(fn)
-    return by_rule, [r for r, st in enumerate(states) if st.records_history]
+    return by_rule
+
+
+def _batched_rules(states: list[SeqSamplingState]):
+    """The batched rules of the rows that are not beams (``_group_rules``), and the rows whose
+    chosen tokens go into the history."""
+    rows = [r for r, st in enumerate(states) if not st.params.use_beam_search and st.params.logits_processors]
+    return _group_rules(states, rows), [r for r, st in enumerate(states) if st.records_history]
+
+
+def _apply_rules(logits: torch.Tensor, by_rule: dict[type, tuple[list[int], list]], num_output_tokens: list[int],
+                 window) -> torch.Tensor:
+    """Each batched rule once over all its rows, in ``order``; ``window(rows)`` gives those rows'
+    output ids [R, L] for the rules that read them. Never edits ``logits`` in place."""
+    # logits: [S, V]
+    for rule in sorted(by_rule, key=lambda cls: cls.order):
+        rule_rows, fns = by_rule[rule]
+        history = window(rule_rows) if getattr(rule, "reads_history", False) else None
+        counts = [num_output_tokens[r] for r in rule_rows]
+        if len(rule_rows) == logits.shape[0]:          # every row (rows are distinct): no gather, no scatter
+            logits = rule.apply_batch(logits, fns, counts, history)
+            continue
+        idx = to_device(rule_rows, torch.long, logits.device)
+        logits = logits.index_copy(0, idx, rule.apply_batch(logits.index_select(0, idx), fns, counts, history))
+    return logits
+
+
+def _host_window(histories: list[list[int] | None], num_output_tokens: list[int]) -> np.ndarray:
+    """[R, L] int64: the rows' output ids from the host, -1 past each row's count and where a
+    row's ids were not sent (as the row-by-row form sees them)."""
+    window = np.full((len(histories), max(1, max(num_output_tokens))), -1, np.int64)
+    for i, (ids, n) in enumerate(zip(histories, num_output_tokens)):
+        if ids is not None and n:
+            window[i, :n] = ids
+    return window
 
 
 def _penalize(logits: torch.Tensor, states: list[SeqSamplingState], num_output_tokens: list[int],
@@ -327,9 +359,17 @@ def _beam_candidates(logits: torch.Tensor, states: list[SeqSamplingState], num_o
     m_rows, m_cols = _mask_indices([states[r] for r in rows], [num_output_tokens[r] for r in rows])
     if m_rows:
         logp.index_put_(tuple(to_device((m_rows, m_cols), torch.long, dev)), _neg_inf(dev))
-    for i, r in enumerate(rows):         # beams reorder every step: every rule runs row by row here
-        for fn in states[r].params.logits_processors or ():
-            fn(histories[r] if histories[r] is not None else [-1] * num_output_tokens[r], logp[i])
+    # Batched rules over all beams at once, each beam over its own ids: beams reorder every step,
+    # so their windows come from the host lists (one staged copy), not the device-side history.
+    beam_states, beam_counts = [states[r] for r in rows], [num_output_tokens[r] for r in rows]
+    by_rule = _group_rules(beam_states, range(len(rows)))
+    if by_rule:
+        logp = _apply_rules(logp, by_rule, beam_counts, lambda rule_rows: to_device(
+            _host_window([histories[rows[i]] for i in rule_rows], [beam_counts[i] for i in rule_rows]),
+            torch.long, dev))
+    for i, st in enumerate(beam_states):      # Python processors: row by row, after the batched rules
+        for fn in _row_processors(st):
+            fn(histories[rows[i]] if histories[rows[i]] is not None else [-1] * beam_counts[i], logp[i])
     scores = logp + to_device(beam_scores, torch.float32, dev)[:, None]     # [R, V]
     width = max(g.num_rows for g in groups)
     keep = max(g.num_keep for g in groups)
@@ -412,13 +452,9 @@ class Sampler:
             if rows:
                 dev = logits.device
                 logits = logits.index_put(tuple(to_device((rows, cols), torch.long, dev)), _neg_inf(dev))
-        for rule in sorted(by_rule, key=lambda cls: cls.order):
-            rule_rows, fns = by_rule[rule]
-            idx = to_device(rule_rows, torch.long, logits.device)
-            window = self.history.window([slot_of[r] for r in rule_rows]) if getattr(rule, "reads_history", False) \
-                else None
-            sub = rule.apply_batch(logits.index_select(0, idx), fns, [num_output_tokens[r] for r in rule_rows], window)
-            logits = logits.index_copy(0, idx, sub)
+        if by_rule:
+            logits = _apply_rules(logits, by_rule, num_output_tokens,
+                                  lambda rule_rows: self.history.window([slot_of[r] for r in rule_rows]))
         processed = [r for r, st in enumerate(states) if not st.params.use_beam_search and _row_processors(st)]
         if processed:
             logits = _apply_logits_processors(logits, states, num_output_tokens, processed, histories,

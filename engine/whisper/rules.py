@@ -6,10 +6,12 @@ Each is a plain picklable object with two forms of one rule:
   at once, as tensor work on the device. Per-row parameters and counts come from the host,
   which knows them; the one thing it does not know under the overlap scheduler, the token
   the previous step just chose, is read from the device-side ``TokenHistory``. So a Whisper
-  request with timestamps or language detection never makes a step wait for the GPU.
+  request with timestamps or language detection never makes a step wait for the GPU. Beam
+  rows, which reorder every step, pass a window staged from their host ids instead. It
+  returns a fresh tensor or its input unchanged, never editing the input in place: the
+  sampler may hand it the model's own logits.
 - ``__call__(output_token_ids, logits_row)``: the same rule on one row with the ids on the
-  host, for beam search (whose beams reorder every step) and as the readable reference the
-  tests hold ``apply_batch`` to.
+  host: the readable reference the tests hold ``apply_batch`` to.
 
 The rules:
 
@@ -41,6 +43,18 @@ def _allowed(ids: tuple[int, ...], vocab: int, device: torch.device) -> torch.Te
     mask = torch.zeros(vocab, dtype=torch.bool, device=device)
     mask[to_device(list(ids), torch.long, device)] = True
     return mask
+
+
+@functools.cache
+def _neg_inf(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return torch.full((), _NEG_INF, dtype=dtype, device=device)     # a fill kernel: torch.tensor() would copy and wait
+
+
+@functools.lru_cache(maxsize=16)
+def _tail_columns(special: int, vocab: int, ts: int, no_ts: int, eot: int, device: torch.device):
+    """The ids [special, vocab) as [1, W] and, as [1, W] bool, which are text, <|notimestamps|>, EOT."""
+    cols = torch.arange(special, vocab, device=device)[None, :]
+    return cols, cols < ts, cols == no_ts, cols == eot
 
 
 def _columns(vocab: int, device: torch.device) -> torch.Tensor:
@@ -195,53 +209,71 @@ class TimestampRules:
         """``__call__``'s grammar for R rows at once. ``history`` [R, L] holds each row's output
         ids (its last one possibly written by the step still on the GPU).
 
-        Each rule bans a column range per row, so the work is a few [R, 1] bounds and then one
-        pass over the text columns and one over the timestamps: a CPU decode step is bound by
-        the count of full-vocabulary ops, and this form has five, not twenty."""
+        Each rule bans a column range per row, so the work is a few [R, 1] bounds, small ops on
+        the special ids and timestamps, and over the ordinary words, which a row bans all or
+        none of, one read (their best) and one write: a CPU decode step is bound by the
+        full-vocabulary passes, and this form has two, not twenty."""
         # logits: [R, V] float32
         dev = logits.device
         eot, no_ts, ts = rules[0].eot, rules[0].no_timestamps, rules[0].ts
         if any((r.eot, r.no_timestamps, r.ts) != (eot, no_ts, ts) for r in rules):
             raise ValueError("TimestampRules.apply_batch: the rows' rules must share one tokenizer's ids")
-        # Per row: output count, begin index, last allowed first timestamp, the prompt's open segment
-        # stamp (-1: none), the end_not_before stamp (-1: none). One staged copy.
-        p = to_device([[n, r.begin_index, r.ts + r.max_initial if r.max_initial is not None else _BIG,
-                        -1 if r.open_segment_at is None else r.open_segment_at,
-                        -1 if r.end_not_before is None else r.end_not_before]
-                       for r, n in zip(rules, num_output_tokens)], torch.long, dev)    # [R, 5]
-        n, begin, last_initial, open_at, end_from = (c[:, None] for c in p.unbind(dim=1))
-        on, opened = n >= begin, open_at >= 0
-        num_seq = n - begin                                           # text tokens so far (>= 0 when on)
-        positions = torch.arange(history.shape[1], device=dev)[None, :]                            # [1, L]
-        in_seq = (positions >= begin) & (positions < n)
-        last = history.gather(1, (n - 1).clamp(min=0))                                            # [R, 1]
-        penultimate = history.gather(1, (n - 2).clamp(min=0))
-        last_is_ts = (num_seq >= 1) & (last >= ts)
+        special = min(eot, no_ts)         # [0, special): the words; [special, ts): EOT, <|notimestamps|>, ...
+        if not 0 < special or max(eot, no_ts) >= ts:
+            raise ValueError(f"TimestampRules.apply_batch: eot ({eot}) and no_timestamps ({no_ts}) must be "
+                             f"text ids above 0 and below timestamp_begin ({ts})")
+        # Per row, all known on the host: output count, begin index, last allowed first timestamp, the
+        # prompt's open segment stamp (-1: none), the end_not_before stamp (-1: none), where the last
+        # two output ids are, and flags: the rule is on; the output opens with a stamp; there is a
+        # last id; a penultimate one; the penultimate counts as a stamp whatever it is (none, or
+        # before the output without an open segment); an open segment. One staged copy.
+        rows = []
+        for r, n in zip(rules, num_output_tokens):
+            num_seq, opened = n - r.begin_index, r.open_segment_at is not None      # text tokens so far
+            rows.append([n, r.begin_index, r.ts + r.max_initial if r.max_initial is not None else _BIG,
+                         r.open_segment_at if opened else -1, -1 if r.end_not_before is None else r.end_not_before,
+                         max(n - 1, 0), max(n - 2, 0), num_seq >= 0, num_seq == 0 and not opened, num_seq >= 1,
+                         num_seq >= 2, num_seq < 2 and not opened, opened])
+        p = to_device(rows, torch.long, dev)                                                      # [R, 13]
+        n, begin, last_initial, open_at, end_from = (p[:, i:i + 1] for i in range(5))
+        flags = p[:, 7:] > 0
+        on, first, has_last, has_penultimate, penultimate_forced, opened = (flags[:, i:i + 1] for i in range(6))
+        last_two_ts = history.gather(1, p[:, 5:7]) >= ts                                         # [R, 2]
+        last_is_ts = has_last & last_two_ts[:, :1]
         # An open segment puts a stamp and text before the output: one token in, the one before is text.
-        penultimate_is_ts = torch.where(opened, (num_seq >= 2) & (penultimate >= ts),
-                                        (num_seq < 2) | (penultimate >= ts))
+        penultimate_is_ts = (has_penultimate & last_two_ts[:, 1:]) | penultimate_forced
+        positions = torch.arange(history.shape[1], device=dev)[None, :]                            # [1, L]
+        # The output ids from the begin index on, EOT (neither text nor a stamp) elsewhere.
+        seq = torch.where((positions >= begin) & (positions < n), history, eot)                   # [R, L]
         # Timestamps never decrease, so the last one is the largest.
-        last_stamp = torch.where(in_seq & (history >= ts), history, -1).amax(dim=1, keepdim=True)  # [R, 1]
-        last_stamp = torch.maximum(last_stamp, open_at)
-        lone = on & last_is_ts & ~penultimate_is_ts                   # another stamp, or EOT
-        closed = on & last_is_ts & penultimate_is_ts                  # a pair just closed: no stamp
-        first = on & (num_seq == 0) & ~opened                         # the output opens with a stamp
-        has_text = opened | (in_seq & (history < eot)).any(dim=1, keepdim=True)                   # [R, 1]
+        latest = seq.amax(dim=1, keepdim=True)
+        last_stamp = torch.maximum(torch.where(latest >= ts, latest, -1), open_at)                # [R, 1]
+        lone = last_is_ts & ~penultimate_is_ts                        # another stamp, or EOT
+        closed = last_is_ts & penultimate_is_ts                       # a pair just closed: no stamp
+        has_text = opened | (seq < eot).any(dim=1, keepdim=True)                                  # [R, 1]
         hold_eot = on & has_text & (last_stamp < end_from)
-        # Text columns [0, ts): banned below a bound (all of them first, those below EOT after a lone stamp).
+        # Text columns [0, ts) are banned below a bound: all of them first, those below EOT after a
+        # lone stamp; so the words [0, special) go all or none (special <= EOT).
         text_bound = torch.where(first, ts, torch.where(lone, eot, 0))
-        text = logits[:, :ts].masked_fill(torch.arange(ts, device=dev)[None, :] < text_bound, _NEG_INF)
-        text[:, no_ts].masked_fill_(on[:, 0], _NEG_INF)
-        text[:, eot].masked_fill_(hold_eot[:, 0], _NEG_INF)
+        words_banned = first | lone                                                                # [R, 1]
         # Timestamp columns [ts, V): a window [low, high] of stamps stays (never back in time; at
         # most the initial bound first; none right after a closed pair).
         floor = torch.where(lone, last_stamp, last_stamp + 1)
         low = torch.where(closed, _BIG, torch.where(on & (last_stamp >= 0), floor, ts))
         high = torch.where(first, last_initial, _BIG)
-        cols = torch.arange(ts, logits.shape[-1], device=dev)[None, :]
-        stamps = logits[:, ts:].masked_fill((cols < low) | (cols > high), _NEG_INF)
+        # The special ids and the stamps [special, V), banned column by column: a small block.
+        cols, is_text, is_no_ts, is_eot = _tail_columns(special, logits.shape[-1], ts, no_ts, eot, dev)
+        banned = torch.where(is_text, cols < text_bound, (cols < low) | (cols > high)) \
+            | (is_no_ts & on) | (is_eot & hold_eot)                                                # [R, V - special]
+        tail = logits[:, special:].masked_fill(banned, _NEG_INF)                                   # [R, V - special]
+        specials, stamps = tail[:, :ts - special], tail[:, ts - special:]
         # Compared in logits, not log-probs: the softmax normaliser is the same on both sides.
         timestamp_mass = stamps.logsumexp(dim=-1, keepdim=True)                                   # [R, 1]
-        best_text = text.amax(dim=-1, keepdim=True)
-        text = text.masked_fill(on & (timestamp_mass > best_text), _NEG_INF)
-        return torch.cat([text, stamps], dim=1)
+        best_word = logits[:, :special].amax(dim=-1, keepdim=True).masked_fill(words_banned, _NEG_INF)
+        best_text = torch.maximum(best_word, specials.amax(dim=-1, keepdim=True))
+        no_text = on & (timestamp_mass > best_text)
+        out = torch.empty_like(logits)                                                             # [R, V]
+        torch.where(words_banned | no_text, _neg_inf(dev, logits.dtype), logits[:, :special], out=out[:, :special])
+        out[:, special:ts] = specials.masked_fill(no_text, _NEG_INF)
+        out[:, ts:] = stamps
+        return out
