@@ -171,8 +171,10 @@ def test_whisper_beam_rows_apply_their_rules_without_syncing():
     groups = [BeamGroup(0, 3, 6), BeamGroup(3, 1, 2)]
     logits = torch.randn(len(histories), vocab, generator=torch.Generator().manual_seed(0)) * 3    # [S, V]
 
+    on = {"cpu": logits, "cuda": logits.cuda()}        # staged before the strict part: a test copy, not the step's
+
     def step(sampler, device):
-        return sampler.sample(logits.to(device), [state] * len(histories), list(map(len, histories)), groups,
+        return sampler.sample(on[device], [state] * len(histories), list(map(len, histories)), groups,
                               [-1.0, -1.2, -1.1, -0.4], histories, list(range(len(histories))))
 
     sampler = Sampler()
