@@ -164,10 +164,10 @@ class TuningConfig:
     # model (smoother inter-token latency, slower fill after a burst of arrivals).
     encoder_tokens_while_decoding: int = 0
     # On one CUDA GPU, requests admitted while others decode are encoded on a second stream,
-    # beside the next decode step, and join the batch one step later: the running sequences
-    # no longer wait for a new request's encoder (tensor parallel and the CPU encode in the
-    # step, as before).
-    encoder_beside_decoder: bool = True
+    # beside the next decode step, and join the batch one step later, so the running sequences
+    # do not wait for a new request's encoder (tensor parallel and the CPU always encode in the
+    # step). Off by default: flan-t5-large stalled with it on the H200 (docs/benchmarks.md, Run Q).
+    encoder_beside_decoder: bool = False
 
     def __post_init__(self):
         o = "tuning"

@@ -19,10 +19,8 @@
 #            TURBO_BUDGETS, encoder tokens per decoding step)
 #   fp8      whisper-large-v3 (and flan-t5-large) at C=64 with --kv-cache-dtype fp8, against the
 #            same runs with bf16 KV (wh-plain, t5-greedy: run those sections in the same call)
-#   desync-ab flan-t5-large and whisper-large-v3 with lengths spread, encoder beside / inside the step
-#   wh-instep, t5-instep, turbo-instep: the encoder back inside the step (ENC2DEC_ENCODER_BESIDE_DECODER=0),
-#            against the default encoder beside the decoder: whisper-large-v3 plain, flan-t5-large
-#            with lengths spread, turbo (run whisper, desync, turbo in the same call)
+#   desync-ab flan-t5-large and whisper-large-v3 with lengths spread, the encoder beside the decoder
+#            (ENC2DEC_ENCODER_BESIDE_DECODER=1, experimental) against the encoder inside the step
 #   itl      the encoder budget of decoding steps (tuning.encoder_tokens_while_decoding): whisper-large-v3
 #            C=64 and bart-large-cnn 384/128 C=128, each with the default budget and with the old
 #            unbounded admission (the variable at 8192): ITL p50 / p99 and out tok/s side by side
@@ -165,14 +163,10 @@ for section in $SECTIONS; do
   serve) for a in ${SERVE_API:-auto 1}; do serve_bench "$a"; done ;;
   wh-instep) RUN_ENV=ENC2DEC_ENCODER_BESIDE_DECODER=0 run wh-plain-instep $LIMIT $WHRUN ;;
   desync-ab)   # lengths spread (arrivals out of step), the encoder beside the decoder and inside the step
-    run t5-desync $LIMIT $T5RUN --output-dist uniform
+    RUN_ENV=ENC2DEC_ENCODER_BESIDE_DECODER=1 run t5-desync-beside $LIMIT $T5RUN --output-dist uniform
     RUN_ENV=ENC2DEC_ENCODER_BESIDE_DECODER=0 run t5-desync-instep $LIMIT $T5RUN --output-dist uniform
-    run wh-desync $LIMIT $WHRUN --output-dist uniform
+    RUN_ENV=ENC2DEC_ENCODER_BESIDE_DECODER=1 run wh-desync-beside $LIMIT $WHRUN --output-dist uniform
     RUN_ENV=ENC2DEC_ENCODER_BESIDE_DECODER=0 run wh-desync-instep $LIMIT $WHRUN --output-dist uniform ;;
-  t5-instep) RUN_ENV=ENC2DEC_ENCODER_BESIDE_DECODER=0 run t5-desync-instep $LIMIT $T5RUN --output-dist uniform ;;
-  turbo-instep)
-    RUN_ENV=ENC2DEC_ENCODER_BESIDE_DECODER=0 run turbo-instep $LIMIT --model $WHT $COMMON $AUD \
-        --concurrency $C --num-requests $NUM ;;
   fp8)
     run wh-fp8 $LIMIT $WHRUN --kv-cache-dtype fp8
     run t5-fp8 $LIMIT $T5RUN --kv-cache-dtype fp8 ;;
@@ -240,10 +234,8 @@ rows = [
     ("serve / in-process, lengths spread", ratio(level("http-stream-aauto-desync"), level("t5-desync")), 0.90),
     ("in-process lengths spread / fixed", ratio(level("t5-desync"), level("t5-greedy")), 1.0),
     ("turbo unbounded encoder / turbo", ratio(level("turbo-unbounded"), level("turbo-hfc", conc=c)), 1.0),
-    ("whisper plain: encoder beside / in step", ratio(level("wh-plain"), level("wh-plain-instep")), 1.0),
-    ("t5 lengths spread: beside / in step", ratio(level("t5-desync"), level("t5-desync-instep")), 1.0),
-    ("whisper lengths spread: beside / in step", ratio(level("wh-desync"), level("wh-desync-instep")), 1.0),
-    ("turbo: beside / in step", ratio(level("turbo-hfc", conc=c), level("turbo-instep")), 1.0),
+    ("t5 lengths spread: beside / in step", ratio(level("t5-desync-beside"), level("t5-desync-instep")), 1.0),
+    ("whisper lengths spread: beside / in step", ratio(level("wh-desync-beside"), level("wh-desync-instep")), 1.0),
     ("whisper fp8 KV / bf16 KV", ratio(level("wh-fp8"), level("wh-plain")), 12000 / 9000),
     ("t5 fp8 KV / bf16 KV", ratio(level("t5-fp8"), level("t5-greedy")), 1.0),
 ]
