@@ -369,6 +369,14 @@ class ModelRunner:
         requests join in a later step, which waits for it (``_wait_for_encodes``); without, this
         step decodes them and its decode waits for the encoder now. Waits are on the GPU only."""
         main, side = torch.cuda.current_stream(self.device), self._encode_stream
+        if self.encoder_graphs is None or self.encoder_graphs.pick(encodes) is None:
+            # An eager encoder's activations would come from the allocator's pool for the second
+            # stream, which the main stream's cached blocks cannot serve (flan-t5-large, whose
+            # microbatches mostly fit no graph, stalled so on the H200): encode on the main
+            # stream, after whatever the encoder stream still writes.
+            main.wait_stream(side)
+            self._run_encoder(encodes)
+            return
         # The step in flight may still read cross blocks freed since (a request that just
         # finished or was preempted) that this encode now writes.
         side.wait_stream(main)
