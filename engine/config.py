@@ -166,8 +166,8 @@ class TuningConfig:
     # On one CUDA GPU, requests admitted while others decode are encoded on a second stream,
     # beside the next decode step, and join the batch one step later, so the running sequences
     # do not wait for a new request's encoder (tensor parallel and the CPU always encode in the
-    # step). Off by default: flan-t5-large stalled with it on the H200 (docs/benchmarks.md, Run Q).
-    encoder_beside_decoder: bool = False
+    # step). Measured in docs/benchmarks.md, Run Q.
+    encoder_beside_decoder: bool = True
 
     def __post_init__(self):
         o = "tuning"

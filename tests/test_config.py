@@ -147,10 +147,10 @@ def test_tuning_from_yaml_and_env_overrides_land_in_the_args(tmp_path, monkeypat
     monkeypatch.setenv("ENC2DEC_TP_TIMEOUT_S", "30")
     tuning = dataclasses.asdict(LlmArgs.from_yaml(str(path)))["tuning"]     # what reports record
     monkeypatch.setenv("ENC2DEC_ENCODER_TOKENS_WHILE_DECODING", "3000")
-    monkeypatch.setenv("ENC2DEC_ENCODER_BESIDE_DECODER", "1")
+    monkeypatch.setenv("ENC2DEC_ENCODER_BESIDE_DECODER", "0")
     tuning = dataclasses.asdict(LlmArgs.from_yaml(str(path)))["tuning"]     # what reports record
     assert tuning == {"skinny_gemm": False, "fused_gemv": False, "attn_min_keys_per_split": 256,
-                      "tp_timeout_s": 30.0, "encoder_tokens_while_decoding": 3000, "encoder_beside_decoder": True}
+                      "tp_timeout_s": 30.0, "encoder_tokens_while_decoding": 3000, "encoder_beside_decoder": False}
     monkeypatch.setenv("ENC2DEC_FUSED_GEMV", "off")
     with pytest.raises(ValueError, match=r"ENC2DEC_FUSED_GEMV='off' \(tuning.fused_gemv\) is not valid"):
         LlmArgs()
@@ -218,4 +218,4 @@ def test_bench_report_records_the_tuning_in_effect(tmp_path, monkeypatch):
     assert r.exit_code == 0, r.output
     assert json.loads(out.read_text())["engine_args"]["tuning"] == {
         "skinny_gemm": True, "fused_gemv": False, "attn_min_keys_per_split": 64, "tp_timeout_s": 600.0,
-        "encoder_tokens_while_decoding": 0, "encoder_beside_decoder": False}
+        "encoder_tokens_while_decoding": 0, "encoder_beside_decoder": True}

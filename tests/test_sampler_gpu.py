@@ -186,4 +186,8 @@ def test_whisper_beam_rows_apply_their_rules_without_syncing():
         event = torch.cuda.Event()
         event.record()
     event.synchronize()
-    assert sample.beams.output() == step(Sampler(), "cpu").beams.output()
+    got, want = sample.beams.output(), step(Sampler(), "cpu").beams.output()
+    # The same candidates; the log-probabilities round differently on the two devices.
+    assert [[(p, t) for p, t, _, _ in g] for g in got] == [[(p, t) for p, t, _, _ in g] for g in want]
+    assert [[(c, lp) for _, _, c, lp in g] for g in got] == \
+        [[pytest.approx((c, lp), abs=1e-5) for _, _, c, lp in g] for g in want]
