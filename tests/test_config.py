@@ -126,6 +126,7 @@ def test_config_import_does_not_pull_torch():
     ({"tuning": {"tp_timeout_s": -1}}, "tuning.tp_timeout_s must be a number of seconds > 0"),
     ({"tuning": {"encoder_tokens_while_decoding": -1}}, "tuning.encoder_tokens_while_decoding must be an integer >= 0"),
     ({"tuning": {"fused_gemv": "no"}}, "tuning.fused_gemv must be true or false"),
+    ({"tuning": {"encoder_beside_decoder": 1}}, "tuning.encoder_beside_decoder must be true or false"),
     ({"tuning": {"fused_gemm": False}}, "unknown tuning key 'fused_gemm'.*'fused_gemv'"),
     ({"trust_remote_code": "yes"}, "trust_remote_code must be true or false"),
 ])
@@ -153,6 +154,11 @@ def test_tuning_from_yaml_and_env_overrides_land_in_the_args(tmp_path, monkeypat
                       "tp_timeout_s": 30.0, "encoder_tokens_while_decoding": 3000, "encoder_beside_decoder": False}
     monkeypatch.setenv("ENC2DEC_FUSED_GEMV", "off")
     with pytest.raises(ValueError, match=r"ENC2DEC_FUSED_GEMV='off' \(tuning.fused_gemv\) is not valid"):
+        LlmArgs()
+    monkeypatch.setenv("ENC2DEC_FUSED_GEMV", "0")
+    monkeypatch.setenv("ENC2DEC_ENCODER_BESIDE_DECODER", "true")
+    with pytest.raises(ValueError, match=r"ENC2DEC_ENCODER_BESIDE_DECODER='true' \(tuning.encoder_beside_decoder\) "
+                                         r"is not valid; expected 0 or 1"):
         LlmArgs()
 
 

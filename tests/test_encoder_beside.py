@@ -12,7 +12,8 @@ from enc2dec.engine.core.scheduler import Scheduler
 from enc2dec.engine.engine_core import EngineCore
 from enc2dec.engine.runner import model_runner
 
-from test_scheduler import PagedFakeModel, all_requests, check_blocks, check_limits, limits, random_workload
+from test_scheduler import (PagedFakeModel, all_requests, check_blocks, check_limits, limits, make_request,
+                            random_workload)
 
 
 class SideStreamModel(PagedFakeModel):
@@ -111,7 +112,6 @@ def test_a_request_admitted_into_an_idle_engine_decodes_in_its_encode_step():
     """Nobody waits for the encoder then: deferring would only add a step to its first token."""
     lim = type(limits())(**{**limits().__dict__, "defer_joins_while_decoding": 1})
     sched = Scheduler(lim, 1000, 1000)
-    from test_scheduler import make_request
     sched.add_request(make_request("a", 4, 5, ignore_eos=True))
     so = sched.schedule()
     assert so.encode_ticket == 0 and [s.request_id for s in so.seqs] == ["a"]
@@ -163,7 +163,6 @@ def test_engine_with_deferred_joins_matches_the_engine_without(flan_t5, monkeypa
 def test_a_request_preempted_during_its_encode_waits_for_its_new_one():
     """Its first encode's turn coming must not let it join: the cross blocks it holds now are
     written by the second encode, which may still be running."""
-    from test_scheduler import make_request
     lim = type(limits())(**{**limits().__dict__, "defer_joins_while_decoding": 2})
     sched = Scheduler(lim, 1000, 1000)
     a, b = make_request("a", 4, 50, ignore_eos=True), make_request("b", 4, 50, ignore_eos=True)
