@@ -145,6 +145,7 @@ TUNING_ENV = {
     "attn_min_keys_per_split": "ENC2DEC_ATTN_MIN_KEYS_PER_SPLIT",
     "tp_timeout_s": "ENC2DEC_TP_TIMEOUT_S",
     "encoder_tokens_while_decoding": "ENC2DEC_ENCODER_TOKENS_WHILE_DECODING",
+    "encoder_join_steps": "ENC2DEC_ENCODER_JOIN_STEPS",
     "encoder_beside_decoder": "ENC2DEC_ENCODER_BESIDE_DECODER",
 }
 
@@ -168,6 +169,12 @@ class TuningConfig:
     # do not wait for a new request's encoder (tensor parallel and the CPU always encode in the
     # step). Measured in docs/benchmarks.md, Run Q.
     encoder_beside_decoder: bool = True
+    # Decoding steps such a request waits before it joins (its encoder has that long to run
+    # beside them; the main stream waits for it on the GPU only if it has not finished). One
+    # suits an encoder that costs about a decoding step; a model whose encoder costs several
+    # (whisper-large-v3-turbo: 32 encoder layers, 4 decoder layers) wants more. Counted in
+    # schedule() calls, not measured time, so a run's batches do not depend on GPU timing.
+    encoder_join_steps: int = 1
 
     def __post_init__(self):
         o = "tuning"
@@ -176,6 +183,7 @@ class TuningConfig:
                 raise ValueError(f"{o}.{name} must be true or false, got {getattr(self, name)!r}")
         _check_positive_int(o, "attn_min_keys_per_split", self.attn_min_keys_per_split)
         _check_positive_int(o, "encoder_tokens_while_decoding", self.encoder_tokens_while_decoding, allow_zero=True)
+        _check_positive_int(o, "encoder_join_steps", self.encoder_join_steps)
         t = self.tp_timeout_s
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0:
             raise ValueError(f"{o}.tp_timeout_s must be a number of seconds > 0, got {t!r}")

@@ -33,9 +33,6 @@ from enc2dec.engine.core.scheduler import Scheduler, SchedulerLimits
 logger = logging.getLogger("enc2dec")
 
 WHISPER_ENCODER_LEN = 1500
-# Decode steps a request admitted while others decode waits before it joins them, its encoder
-# running beside those steps (tuning.encoder_beside_decoder).
-ENCODER_JOIN_STEPS = 1
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -181,7 +178,7 @@ class EngineCore:
         if self.runner.graphs is not None:
             self.limits = dataclasses.replace(self.limits, feed_prompt_one_token_per_step=True)
         if getattr(self.runner, "encodes_beside", False):          # a tensor-parallel driver has none
-            self.limits = dataclasses.replace(self.limits, defer_joins_while_decoding=ENCODER_JOIN_STEPS)
+            self.limits = dataclasses.replace(self.limits, defer_joins_while_decoding=args.tuning.encoder_join_steps)
         self.scheduler = Scheduler(self.limits, plan.num_self_blocks, plan.num_cross_blocks)
         self._live: dict[str, _Tracked] = {}
         self._ids = itertools.count()

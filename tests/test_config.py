@@ -127,6 +127,7 @@ def test_config_import_does_not_pull_torch():
     ({"tuning": {"encoder_tokens_while_decoding": -1}}, "tuning.encoder_tokens_while_decoding must be an integer >= 0"),
     ({"tuning": {"fused_gemv": "no"}}, "tuning.fused_gemv must be true or false"),
     ({"tuning": {"encoder_beside_decoder": 1}}, "tuning.encoder_beside_decoder must be true or false"),
+    ({"tuning": {"encoder_join_steps": 0}}, "tuning.encoder_join_steps must be an integer >= 1"),
     ({"tuning": {"fused_gemm": False}}, "unknown tuning key 'fused_gemm'.*'fused_gemv'"),
     ({"trust_remote_code": "yes"}, "trust_remote_code must be true or false"),
 ])
@@ -149,9 +150,11 @@ def test_tuning_from_yaml_and_env_overrides_land_in_the_args(tmp_path, monkeypat
     tuning = dataclasses.asdict(LlmArgs.from_yaml(str(path)))["tuning"]     # what reports record
     monkeypatch.setenv("ENC2DEC_ENCODER_TOKENS_WHILE_DECODING", "3000")
     monkeypatch.setenv("ENC2DEC_ENCODER_BESIDE_DECODER", "0")
+    monkeypatch.setenv("ENC2DEC_ENCODER_JOIN_STEPS", "4")
     tuning = dataclasses.asdict(LlmArgs.from_yaml(str(path)))["tuning"]     # what reports record
     assert tuning == {"skinny_gemm": False, "fused_gemv": False, "attn_min_keys_per_split": 256,
-                      "tp_timeout_s": 30.0, "encoder_tokens_while_decoding": 3000, "encoder_beside_decoder": False}
+                      "tp_timeout_s": 30.0, "encoder_tokens_while_decoding": 3000, "encoder_beside_decoder": False,
+                      "encoder_join_steps": 4}
     monkeypatch.setenv("ENC2DEC_FUSED_GEMV", "off")
     with pytest.raises(ValueError, match=r"ENC2DEC_FUSED_GEMV='off' \(tuning.fused_gemv\) is not valid"):
         LlmArgs()
@@ -224,4 +227,4 @@ def test_bench_report_records_the_tuning_in_effect(tmp_path, monkeypatch):
     assert r.exit_code == 0, r.output
     assert json.loads(out.read_text())["engine_args"]["tuning"] == {
         "skinny_gemm": True, "fused_gemv": False, "attn_min_keys_per_split": 64, "tp_timeout_s": 600.0,
-        "encoder_tokens_while_decoding": 0, "encoder_beside_decoder": True}
+        "encoder_tokens_while_decoding": 0, "encoder_beside_decoder": True, "encoder_join_steps": 1}

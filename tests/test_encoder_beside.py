@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from enc2dec.engine import KvCacheConfig, LlmArgs, SamplingParams
+from enc2dec.engine import KvCacheConfig, LlmArgs, SamplingParams, TuningConfig
 from enc2dec.engine.core.batch import SchedulerOutput
 from enc2dec.engine.core.scheduler import Scheduler
 from enc2dec.engine.engine_core import EngineCore
@@ -80,15 +80,16 @@ def _tokens(arrivals):
     return {(r.request_id, s.index): (s.token_ids, s.status) for r in all_requests(arrivals) for s in r.seqs}
 
 
-@pytest.mark.parametrize("seed", [3, 7])
+@pytest.mark.parametrize("seed,join_steps", [(3, 1), (7, 1), (7, 3)])
 @pytest.mark.parametrize("num_self_blocks", [10_000, 40])
-def test_deferred_joins_give_the_same_tokens_and_never_read_an_unwritten_encoder(seed, num_self_blocks):
+def test_deferred_joins_give_the_same_tokens_and_never_read_an_unwritten_encoder(seed, join_steps, num_self_blocks):
     """Random arrivals, n > 1, and (with 40 self blocks) preemptions, some of a request whose
-    encode is still in flight: readmitted, it must wait for its new encode, not the old one."""
+    encode is still in flight: readmitted, it must wait for its new encode, not the old one.
+    With several join steps (tuning.encoder_join_steps) encodes of consecutive steps overlap."""
     def run(defer: bool):
         lim = limits(max_batch_size=12, tokens_per_block=4)
         if defer:
-            lim = type(lim)(**{**lim.__dict__, "defer_joins_while_decoding": 1})
+            lim = type(lim)(**{**lim.__dict__, "defer_joins_while_decoding": join_steps})
         sched = Scheduler(lim, num_self_blocks, 1000)
         arrivals = random_workload(seed, num_requests=40)
         rng = random.Random(seed)
@@ -126,8 +127,8 @@ def test_aborts_while_encodes_are_in_flight_leak_nothing():
     assert sched.self_pool.num_used_blocks == 0 and sched.cross_pool.num_used_blocks == 0
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_engine_with_deferred_joins_matches_the_engine_without(flan_t5, monkeypatch, overlap):
+@pytest.mark.parametrize("overlap,join_steps", [(True, 1), (False, 1), (True, 3)])
+def test_engine_with_deferred_joins_matches_the_engine_without(flan_t5, monkeypatch, overlap, join_steps):
     """The real engine loop and runner on the CPU (which has no second stream: its encodes run in
     the step, their tickets done at once): more requests than batch rows, so most are
     admitted while others decode; the tokens equal those of the engine that never defers."""
@@ -138,8 +139,10 @@ def test_engine_with_deferred_joins_matches_the_engine_without(flan_t5, monkeypa
         monkeypatch.setattr(model_runner, "encodes_beside", lambda args, device, tp: beside)
         core = EngineCore(LlmArgs(model=flan_t5, dtype="float32", max_batch_size=3,
                                   disable_overlap_scheduler=not overlap,
+                                  tuning=TuningConfig(encoder_join_steps=join_steps),
                                   kv_cache_config=KvCacheConfig(cross_kv_cache_fraction=0.5, tokens_per_block=4,
                                                                 max_cpu_memory_bytes=64 << 20)))
+        assert core.limits.defer_joins_while_decoding == (join_steps if beside else 0)
         tickets = []
         launch = core.runner.launch
         core.runner.launch = lambda so: (tickets.append(so.encode_ticket), launch(so))[1]

@@ -17,6 +17,8 @@
 #            (turbo: the first of the two only; turbo-unbounded: turbo again without the
 #            one-clip-per-decoding-step encoder budget, no baseline; turbo-budgets: the budgets in
 #            TURBO_BUDGETS, encoder tokens per decoding step)
+#   turbo-join turbo with a request's encode joining k decoding steps later (TURBO_JOINS, k:budget
+#            pairs, budget 0 = the default), against turbo-hfc's enc2dec figure
 #   fp8      whisper-large-v3 (and flan-t5-large) at C=64 with --kv-cache-dtype fp8, against the
 #            same runs with bf16 KV (wh-plain, t5-greedy: run those sections in the same call)
 #   desync-ab flan-t5-large and whisper-large-v3 with lengths spread, the encoder beside the decoder
@@ -148,6 +150,14 @@ for section in $SECTIONS; do
       RUN_ENV=ENC2DEC_ENCODER_TOKENS_WHILE_DECODING=$b run turbo-enc$b $LIMIT --model $WHT $COMMON $AUD \
           --concurrency $C --num-requests $NUM
     done ;;
+  turbo-join)   # turbo with encodes joining k decoding steps later (TURBO_JOINS: k:budget, budget 0 = default)
+    for kb in ${TURBO_JOINS:-2:0 4:0 4:3000}; do
+      k=${kb%%:*} b=${kb##*:}
+      RUN_ENV="ENC2DEC_ENCODER_JOIN_STEPS=$k"
+      [ "$b" != 0 ] && RUN_ENV="ENC2DEC_ENCODER_JOIN_STEPS=$k ENC2DEC_ENCODER_TOKENS_WHILE_DECODING=$b"
+      run turbo-join$k-enc$b $LIMIT --model $WHT $COMMON $AUD --concurrency $C --num-requests $NUM
+    done
+    RUN_ENV= ;;
   turbo)
     run turbo-hfc ${FAST_LIMIT_S:-$((LIMIT * 2))} --model $WHT $COMMON $AUD --concurrency $C --num-requests $NUM \
         --baseline $FASTBASE ;;
@@ -234,6 +244,8 @@ rows = [
     ("serve / in-process, lengths spread", ratio(level("http-stream-aauto-desync"), level("t5-desync")), 0.90),
     ("in-process lengths spread / fixed", ratio(level("t5-desync"), level("t5-greedy")), 1.0),
     ("turbo unbounded encoder / turbo", ratio(level("turbo-unbounded"), level("turbo-hfc", conc=c)), 1.0),
+    *[(f"turbo {p.stem[6:]} / turbo", ratio(level(p.stem), level("turbo-hfc", conc=c)), 1.0)
+      for p in sorted(work.glob("turbo-join*.json"))],
     ("t5 lengths spread: beside / in step", ratio(level("t5-desync-beside"), level("t5-desync-instep")), 1.0),
     ("whisper lengths spread: beside / in step", ratio(level("wh-desync-beside"), level("wh-desync-instep")), 1.0),
     ("whisper fp8 KV / bf16 KV", ratio(level("wh-fp8"), level("wh-plain")), 12000 / 9000),
