@@ -215,6 +215,8 @@ def test_on_the_gpu_encodes_beside_the_decoder_give_the_same_tokens_without_sync
                  tuning=TuningConfig(encoder_beside_decoder=beside)) as llm:
             core = llm.engine
             assert core.runner.encodes_beside is beside
+            if beside:       # not torch's shared capture stream, whose cuBLAS workspace decoder graphs use
+                assert core.runner.encoder_graphs.capture_stream is core.runner._encode_stream is not None
             llm.generate(prompts[:2], params[:2], use_tqdm=False)          # warm-up: lazy init may sync once
             inner, launch, tickets = core.step, core.runner.launch, []
 

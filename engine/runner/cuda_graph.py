@@ -239,8 +239,16 @@ def encoder_buckets(cfg, max_batch: int, max_tokens: int, max_len: int, fixed_le
 
 class EncoderGraphRunner:
     def __init__(self, model, kv, device, buckets: list[tuple[int, int]], tokens_per_block: int,
-                 pad_batch: bool, whisper_mels: int | None = None, dtype: torch.dtype = torch.bfloat16):
+                 pad_batch: bool, whisper_mels: int | None = None, dtype: torch.dtype = torch.bfloat16,
+                 capture_stream: torch.cuda.Stream | None = None):
         self.model, self.kv, self.device = model, kv, device
+        # A graph keeps the cuBLAS workspace of the stream it was captured on, and every graph
+        # captured on torch's default capture stream shares one. An encoder graph replayed on the
+        # encoder stream while a decoder graph replays on the main stream must not share it:
+        # cuBLAS's split-K GEMMs keep partial sums and arrival flags there, and two such GEMMs
+        # at once hung flan-t5-large on the H200 (docs/benchmarks.md, Run R). So the encoder
+        # graphs are captured (and warmed up) on the stream they replay on, when there is one.
+        self.capture_stream = capture_stream
         self.tpb = tokens_per_block
         self.pad_batch = pad_batch
         self.whisper_mels, self.dtype = whisper_mels, dtype
@@ -256,13 +264,16 @@ class EncoderGraphRunner:
 
     def capture(self) -> None:
         t0 = time.perf_counter()
+        warm_stream = self.capture_stream or torch.cuda.current_stream(self.device)
         for bucket in sorted(self.buckets, key=lambda bl: -bl[0] * bl[1]):    # largest first: one pool
             inputs, meta = self.static[bucket]
-            for _ in range(2):                     # warm up: kernels compile, the bias table is built
-                self._forward(inputs, meta)
+            torch.cuda.synchronize(self.device)
+            with torch.cuda.stream(warm_stream):
+                for _ in range(2):                 # warm up: kernels compile, the bias table is built
+                    self._forward(inputs, meta)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):
                 # A fresh metadata object: the backend caches per-batch masks by identity, and
                 # the captured graph must rebuild them from the static lengths at every replay.
                 self._forward(inputs, dataclasses.replace(meta))

@@ -194,13 +194,13 @@ class ModelRunner:
         # The last step's rows (seq ids) and their (states, all plain greedy, all simple).
         self._rows_ids: list[int] = []
         self._rows: tuple[list[SeqSamplingState], bool, bool] = ([], True, True)
-        self.graphs = self._maybe_capture(attn_backend, max_input_len)
-        self.encoder_graphs = self._maybe_capture_encoder(max_input_len)
         # Encodes beside the decode steps: every encode runs on this stream, so encoder writes
         # to the cross pool stay in one order; (ticket, event) of deferred joins not yet waited for.
         self.encodes_beside = encodes_beside(args, device, tp)
         self._encode_stream = torch.cuda.Stream(device) if self.encodes_beside and device.type == "cuda" else None
         self._encodes_in_flight: deque[tuple[int, torch.cuda.Event]] = deque()
+        self.graphs = self._maybe_capture(attn_backend, max_input_len)
+        self.encoder_graphs = self._maybe_capture_encoder(max_input_len)
 
     def _maybe_capture(self, attn_backend: str, max_input_len: int):
         cfg = self.args.cuda_graph_config
@@ -242,7 +242,8 @@ class ModelRunner:
                            "encoder batches run eagerly", max_tokens)
             return None
         runner = EncoderGraphRunner(self.model, self.kv, self.device, buckets, self.tokens_per_block,
-                                    pad_batch=cfg.enable_padding, whisper_mels=self._whisper_mels, dtype=self.dtype)
+                                    pad_batch=cfg.enable_padding, whisper_mels=self._whisper_mels, dtype=self.dtype,
+                                    capture_stream=self._encode_stream)
         runner.capture()
         return runner
 
@@ -370,10 +371,9 @@ class ModelRunner:
         step decodes them and its decode waits for the encoder now. Waits are on the GPU only."""
         main, side = torch.cuda.current_stream(self.device), self._encode_stream
         if self.encoder_graphs is None or self.encoder_graphs.pick(encodes) is None:
-            # An eager encoder's activations would come from the allocator's pool for the second
-            # stream, which the main stream's cached blocks cannot serve (flan-t5-large, whose
-            # microbatches mostly fit no graph, stalled so on the H200): encode on the main
-            # stream, after whatever the encoder stream still writes.
+            # Eager encodes stay on the main stream (after whatever the encoder stream still
+            # writes): on the second stream their activations would come from that stream's own
+            # allocator pool, which the main stream's cached blocks cannot serve.
             main.wait_stream(side)
             self._run_encoder(encodes)
             return
