@@ -1,6 +1,9 @@
 """The ``enc2dec`` command: one thin Typer module per subcommand."""
 from __future__ import annotations
 
+import os
+import sys
+
 import typer
 
 app = typer.Typer(
@@ -47,4 +50,8 @@ def _register() -> None:
 _register()
 
 if __name__ == "__main__":
+    # Nothing from the working directory, as with the `enc2dec` console script: `python -m` puts
+    # it first on sys.path, and from a checkout's root kernels/ (installed as enc2dec.kernels)
+    # would shadow the `kernels` distribution that transformers 5.25 imports with its models.
+    sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != os.path.realpath(os.curdir)]
     app()

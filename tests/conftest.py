@@ -8,7 +8,16 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+# `python -m pytest` (the README's command) puts the working directory, the repository root,
+# first on sys.path. There kernels/ (installed as enc2dec.kernels) shadows the `kernels`
+# distribution that transformers 5.25 depends on and imports with its activations, so every
+# model import failed with "cannot import name 'CUDAProperties' from 'kernels'". This tree's
+# folders are imported only as enc2dec.* (the editable install's mapping), never from the root.
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != _ROOT]
+
+import torch  # noqa: E402
 
 # Without a GPU, Triton kernels run in its CPU interpreter; the mode is read when triton is
 # first imported (torch and transformers may import it early), so set it before anything runs.
