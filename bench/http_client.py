@@ -14,7 +14,7 @@ import time
 
 from .audio import wav_bytes
 from .errors import BenchInputError
-from .metrics import RequestRecord
+from .metrics import RequestRecord, step_extras
 from .workloads import BenchRequest
 
 
@@ -44,6 +44,7 @@ class HttpTarget:
         self.streaming = streaming
         self.beam_width = beam_width
         self.concurrency, self.timeout_s = concurrency, timeout_s
+        self._steps_before: dict | None = None
         httpx = _httpx()
         self._httpx = httpx
         limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
@@ -64,10 +65,19 @@ class HttpTarget:
                 pass
 
     async def begin_level(self) -> None:
-        pass
+        self._steps_before = await self.step_counters()
 
     async def end_level(self) -> dict:
-        return {}
+        return step_extras(self._steps_before, await self.step_counters())
+
+    async def step_counters(self) -> dict | None:
+        """The engine's step counters from the server's /metrics (enc2dec serve exports them);
+        None from a server without them or without /metrics."""
+        try:
+            r = await self.client.get("/metrics", timeout=10.0)
+        except self._httpx.HTTPError:
+            return None
+        return parse_step_counters(r.text) if r.status_code == 200 else None
 
     async def send(self, req: BenchRequest) -> RequestRecord:
         rec = RequestRecord(start_s=time.monotonic(), input_len=req.input_len, audio_s=req.audio_s)
@@ -148,3 +158,23 @@ class HttpTarget:
 
     async def aclose(self) -> None:
         await self.client.aclose()
+
+
+# enc2dec serve's names for the engine's step counters (serve/metrics.py STEP_METRICS).
+_STEP_COUNTER_NAMES = {"enc2dec_engine_steps_total": "num_steps", "enc2dec_engine_step_rows_total": "num_rows",
+                       "enc2dec_engine_step_seconds_total": "step_s",
+                       "enc2dec_engine_device_wait_seconds_total": "device_wait_s"}
+
+
+def parse_step_counters(text: str) -> dict | None:
+    """The step counters in a Prometheus text exposition (unlabelled samples), or None."""
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        key = _STEP_COUNTER_NAMES.get(name)
+        if key is not None:
+            try:
+                out[key] = float(value.split()[0])
+            except (ValueError, IndexError):
+                return None
+    return out if len(out) == len(_STEP_COUNTER_NAMES) else None

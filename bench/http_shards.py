@@ -105,10 +105,10 @@ class ShardedHttpTarget:
                                            target.timeout_s, target.beam_width))
 
     async def begin_level(self) -> None:
-        pass
+        await self._target.begin_level()
 
     async def end_level(self) -> dict:
-        return {}
+        return await self._target.end_level()
 
     async def closed_loop(self, reqs, concurrency, num_requests, duration_s, progress=None):
         return await asyncio.to_thread(self._clients.run, list(reqs), concurrency, num_requests, duration_s,

@@ -97,6 +97,11 @@ class LevelMetrics:
     kv_cross_blocks_peak: int | None = None
     kv_cross_blocks_total: int | None = None
     num_preemptions: int = 0
+    # The engine's step loop over the level (``step_extras``), where the target reports it
+    engine_steps: int | None = None
+    engine_step_ms: float | None = None              # mean time per step
+    engine_rows_per_step: float | None = None        # mean decoder rows per step
+    engine_device_wait_frac: float | None = None     # share of step time spent waiting for the device
     errors: list[str] = field(default_factory=list)  # the first few distinct failure messages
     # Levels mixing request kinds (``--timestamps-every``): each kind's share, and the plain one's
     plain_out_tok_per_s: float | None = None
@@ -123,7 +128,23 @@ def metric_names() -> list[str]:
     flat = [f"{s}_{m}_ms" for m in LATENCIES for s in STATS]
     return ["completed", "failed", "duration_s", "req_per_s", "out_tok_per_s", "total_tok_per_s",
             "input_tokens", "output_tokens", *flat, "audio_s", "rtf", "peak_gpu_mem_gib",
-            "kv_self_blocks_peak", "kv_cross_blocks_peak", "num_preemptions", "plain_out_tok_per_s"]
+            "kv_self_blocks_peak", "kv_cross_blocks_peak", "num_preemptions", "plain_out_tok_per_s",
+            "engine_steps", "engine_step_ms", "engine_rows_per_step", "engine_device_wait_frac"]
+
+
+def step_extras(before: dict | None, after: dict | None) -> dict:
+    """A level's engine step figures from the step counters (``EngineCore.StepCounters``) read
+    before and after it; nothing where the target gave none or no step ran."""
+    if not before or not after:
+        return {}
+    d = {key: after[key] - before[key] for key in ("num_steps", "num_rows", "step_s", "device_wait_s")
+         if key in after and key in before}
+    steps = d.get("num_steps", 0)
+    if len(d) < 4 or steps <= 0:
+        return {}
+    return {"engine_steps": int(steps), "engine_step_ms": 1000.0 * d["step_s"] / steps,
+            "engine_rows_per_step": d["num_rows"] / steps,
+            "engine_device_wait_frac": d["device_wait_s"] / d["step_s"] if d["step_s"] > 0 else None}
 
 
 def _groups(ok: list[RequestRecord], duration_s: float) -> dict[str, dict] | None:

@@ -57,10 +57,12 @@ def results_table(levels: list[LevelMetrics], title: str) -> Table:
     is_audio = any(lv.rtf is not None for lv in levels)
     has_kv = any(lv.kv_self_blocks_total for lv in levels)
     has_mem = any(lv.peak_gpu_mem_gib is not None for lv in levels)
+    has_steps = any(lv.engine_steps for lv in levels)
     t = Table(title=title, title_justify="left")
     cols = ["backend", "C", "ok/fail", "req/s", "out tok/s", "total tok/s", "TTFT mean/p99", "TPOT mean",
             "ITL p50/p99", "E2E p50/p99"]
     cols += ["RTF"] * is_audio + ["KV peak self/cross"] * has_kv + ["GPU GiB"] * has_mem
+    cols += ["step ms / rows / wait"] * has_steps
     for c in cols:
         t.add_column(c, justify="left" if c == "backend" else "right", no_wrap=True)
     for lv in levels:
@@ -73,6 +75,8 @@ def results_table(levels: list[LevelMetrics], title: str) -> Table:
             row.append(_kv_cell(lv))
         if has_mem:
             row.append(_f(lv.peak_gpu_mem_gib, 1))
+        if has_steps:
+            row.append(_step_cell(lv))
         t.add_row(*row, style="red" if lv.failed else None)
     t.caption = "latencies in ms; definitions in docs/bench.md"
     return t
@@ -80,6 +84,15 @@ def results_table(levels: list[LevelMetrics], title: str) -> Table:
 
 def _pair(lv: LevelMetrics, a: str, b: str) -> str:
     return f"{_f(lv.get(a))} / {_f(lv.get(b))}"
+
+
+def _step_cell(lv: LevelMetrics) -> str:
+    """Mean engine step time, decoder rows per step, and the share of step time spent waiting
+    for the device."""
+    if not lv.engine_steps:
+        return "-"
+    wait = "-" if lv.engine_device_wait_frac is None else f"{100.0 * lv.engine_device_wait_frac:.0f}%"
+    return f"{_f(lv.engine_step_ms, 2)} / {_f(lv.engine_rows_per_step, 1)} / {wait}"
 
 
 def _kv_cell(lv: LevelMetrics) -> str:

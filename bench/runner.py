@@ -14,7 +14,7 @@ import time
 from enc2dec.engine.launch import start_llm  # noqa: F401
 
 from .errors import BenchInputError
-from .metrics import RequestRecord
+from .metrics import RequestRecord, step_extras
 from .workloads import BenchRequest
 
 
@@ -74,6 +74,7 @@ class EngineTarget:
         self.beam_width = beam_width
         self._kv: KvTracker | None = None
         self._poller: asyncio.Task | None = None
+        self._steps_before: dict | None = None
 
     @property
     def tokenizer(self):
@@ -86,7 +87,12 @@ class EngineTarget:
 
             torch.cuda.reset_peak_memory_stats(device)
         self._kv = KvTracker(self.llm)
+        self._steps_before = self._step_counters()
         self._poller = asyncio.ensure_future(self._kv.poll())
+
+    def _step_counters(self) -> dict | None:
+        stats = getattr(self.llm, "stats", None)
+        return stats().get("steps") if callable(stats) else None
 
     async def end_level(self) -> dict:
         if self._poller is not None:
@@ -95,6 +101,7 @@ class EngineTarget:
         if self._kv is not None:
             self._kv.sample()
             extras.update(self._kv.extras())
+        extras.update(step_extras(self._steps_before, self._step_counters()))
         device = _cuda_device(self.llm)
         if device is not None:
             import torch

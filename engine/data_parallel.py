@@ -203,7 +203,9 @@ class DataParallelLLM:
                         "peak_used_blocks": sum(u.get("peak_used_blocks", 0) for u in usages),
                         "total_blocks": sum(u["total_blocks"] for u in usages),
                         "tokens_per_block": self._replicas[0].llm.stats()["kv"][pool]["tokens_per_block"]}
-        return {**total, "kv": kv, "replicas": per}
+        # Summed, the step counters give the replicas' mean step time and rows per step.
+        steps = {key: sum(s["steps"][key] for s in live) for key in live[0]["steps"]} if live else {}
+        return {**total, "kv": kv, "steps": steps, "replicas": per}
 
     def kv_cache_usage(self) -> dict[str, dict[str, int]]:
         return self.stats()["kv"]

@@ -124,6 +124,25 @@ class _Tracked:
         self.detokenizes_per_step = (self.streaming or bool(self.params.stop)) and self.request.beam is None
 
 
+@dataclass(slots=True)
+class StepCounters:
+    """What the step loop has done since start-up, in plain counters (read from any thread).
+    A benchmark takes their change over a window: the mean step time and rows per step say
+    whether throughput was lost in the engine (slower or emptier steps) or around it, and the
+    share of step time spent waiting for the device says whether the host or the device bounds
+    the loop."""
+
+    num_steps: int = 0            # steps that launched work
+    num_rows: int = 0             # decoder rows launched, over those steps
+    num_encodes: int = 0          # requests encoded
+    step_s: float = 0.0           # time inside step()
+    device_wait_s: float = 0.0    # of which waiting for a launched step's results
+
+    def as_dict(self) -> dict:
+        return {"num_steps": self.num_steps, "num_rows": self.num_rows, "num_encodes": self.num_encodes,
+                "step_s": self.step_s, "device_wait_s": self.device_wait_s}
+
+
 class EngineCore:
     def __init__(self, args: LlmArgs):
         self.args = args
@@ -185,6 +204,7 @@ class EngineCore:
         # Overlap: step N+1 is scheduled and launched while the GPU runs step N.
         self.overlap = not args.disable_overlap_scheduler
         self._inflight = None                      # (SchedulerOutput, PendingStep) not yet resolved
+        self.counters = StepCounters()
         # Everything alive now (torch, transformers, the model: ~360k objects for flan-t5-small)
         # lives as long as the engine; a full collection scans it all, about 100 ms on the CI
         # machine type, a stall of the step loop whenever garbage from requests triggers one.
@@ -249,13 +269,24 @@ class EngineCore:
 
     # ---- the loop -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.counters.step_s += time.perf_counter() - t0
+
+    def _step(self) -> list[RequestOutput]:
         """schedule -> launch -> advance -> resolve the previous step (overlap) or this one."""
         so = self.scheduler.schedule()
         if so.is_empty and self._inflight is not None:
             # All that runs waits for the step in flight (a request that needs its tokens): take it now.
-            return self._resolve_inflight() + self.step()
+            return self._resolve_inflight() + self._step()
         launched = None
         if not so.is_empty:
+            c = self.counters
+            c.num_steps += 1
+            c.num_rows += len(so.seqs)
+            c.num_encodes += len(so.encodes)
             try:
                 launched = (so, self.runner.launch(so))
             except TensorParallelError:
@@ -273,8 +304,10 @@ class EngineCore:
             return []
         so, pending = self._inflight
         self._inflight = None
+        t0 = time.perf_counter()
         try:
             ro = pending.wait()
+            self.counters.device_wait_s += time.perf_counter() - t0
         except TensorParallelError:
             raise
         except Exception as e:  # noqa: BLE001 - an asynchronous device error surfaces here

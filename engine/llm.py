@@ -172,8 +172,9 @@ class LLM:
         return self._error
 
     def stats(self) -> dict:
-        """Queue depth and KV blocks per pool in one snapshot (safe from any thread: plain reads)."""
-        return {**self.queue_stats(), "kv": self.kv_cache_usage()}
+        """Queue depth, KV blocks per pool and the step loop's counters (``EngineCore.StepCounters``)
+        in one snapshot (safe from any thread: plain reads)."""
+        return {**self.queue_stats(), "kv": self.kv_cache_usage(), "steps": self._core.counters.as_dict()}
 
     def kv_cache_usage(self) -> dict[str, dict[str, int]]:
         """Blocks used / total per pool and tokens per block (a snapshot; for metrics)."""

@@ -44,7 +44,8 @@ def model_info(llm) -> ModelInfo:
 
 
 def engine_stats(llm) -> dict[str, int]:
-    """Queue depth, running requests and KV blocks per pool, read without locks (plain lengths).
+    """Queue depth, running requests, KV blocks per pool and the step loop's counters
+    (``steps``), read without locks (plain lengths).
     A data-parallel engine adds ``replicas``: the same counters per replica, with its index,
     health and the requests routed to it."""
     snapshot = llm.stats()
@@ -53,6 +54,8 @@ def engine_stats(llm) -> dict[str, int]:
     if running_seqs is None:
         running_seqs = getattr(getattr(llm.engine, "scheduler", None), "num_running_seqs", snapshot["running"])
     stats = _flat_stats(snapshot, running_seqs)
+    if snapshot.get("steps"):
+        stats["steps"] = snapshot["steps"]
     if "replicas" in snapshot:
         stats["replicas"] = [{**_flat_stats(r, r.get("running_seqs", r["running"])), "replica": r["replica"],
                               "healthy": r["healthy"], "routed": r["routed"]} for r in snapshot["replicas"]]

@@ -107,8 +107,34 @@ class _EngineCollector:
             for pool in ("self", "cross"):
                 g.add_metric([pool], stats[f"{pool}_{kind}"])
             yield g
+        if "steps" in stats:
+            yield from _step_metrics(stats["steps"])
         if "replicas" in stats:
             yield from _replica_metrics(stats["replicas"])
+
+
+# The engine's step counters (EngineCore.StepCounters) under their Prometheus names. Their rates
+# say where a serving loss lies: steps per second and rows per step fall when the engine slows,
+# and stay when the time goes around it (HTTP, the API processes, the clients).
+STEP_METRICS = {
+    "num_steps": ("enc2dec_engine_steps_total", "Engine steps that launched work"),
+    "num_rows": ("enc2dec_engine_step_rows_total", "Decoder rows launched, summed over steps"),
+    "num_encodes": ("enc2dec_engine_encodes_total", "Requests encoded"),
+    "step_s": ("enc2dec_engine_step_seconds_total", "Time the step loop spent in steps"),
+    "device_wait_s": ("enc2dec_engine_device_wait_seconds_total", "Time the step loop waited for the "
+                      "device's results (near the step time: the device bounds the loop; near 0: the host)"),
+}
+
+
+def _step_metrics(steps: dict):
+    from prometheus_client.core import CounterMetricFamily
+
+    for key, (name, doc) in STEP_METRICS.items():
+        if key in steps:
+            # The family's name drops "_total": the exposition adds it back to a counter.
+            c = CounterMetricFamily(name.removesuffix("_total"), doc)
+            c.add_metric([], steps[key])
+            yield c
 
 
 def _replica_metrics(replicas: list[dict]):

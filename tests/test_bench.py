@@ -82,6 +82,12 @@ def test_t5_engine_and_hf_baseline(tiny_t5, tmp_path):
         ours = levels[("enc2dec", c)]
         assert 0 < ours["kv_self_blocks_peak"] <= ours["kv_self_blocks_total"]
         assert 0 < ours["kv_cross_blocks_peak"] <= ours["kv_cross_blocks_total"]
+        # The engine's own steps over the level: every output token came from a launched row,
+        # and no step held more rows than requests in flight.
+        assert ours["engine_steps"] > 0 and 0 < ours["engine_rows_per_step"] <= c
+        assert ours["engine_steps"] * ours["engine_rows_per_step"] >= ours["output_tokens"]
+        assert ours["engine_step_ms"] > 0 and 0 <= ours["engine_device_wait_frac"] <= 1
+        assert levels[("hf", c)]["engine_steps"] is None
     assert {(x["concurrency"], x["baseline"]) for x in rep["ratios"]} == {(1, "hf"), (3, "hf")}
     ratio = rep["ratios"][0]
     assert ratio["out_tok_per_s"] == pytest.approx(levels[("enc2dec", 1)]["out_tok_per_s"] /

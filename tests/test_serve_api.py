@@ -120,6 +120,29 @@ def test_models_health_version_and_metrics(server, client):
         assert key in m, key
     assert m['enc2dec_http_requests_total{endpoint="/v1/completions",status="200"}'] >= 1
     assert m["enc2dec_e2e_request_latency_seconds_count"] >= 1 and m["enc2dec_generation_tokens_total"] > 0
+    # The engine's step counters: each generated token took a decoder row of some step.
+    assert m["enc2dec_engine_steps_total"] > 0 and m["enc2dec_engine_encodes_total"] >= 1
+    assert m["enc2dec_engine_step_rows_total"] >= m["enc2dec_generation_tokens_total"]
+    assert 0 <= m["enc2dec_engine_device_wait_seconds_total"] <= m["enc2dec_engine_step_seconds_total"]
+
+
+def test_bench_url_reports_the_servers_engine_steps(server, tmp_path):
+    """bench --url reads the engine's step counters from /metrics before and after a level, so a
+    serving loss can be told apart: slower or emptier engine steps, or time lost around them."""
+    from typer.testing import CliRunner
+
+    from enc2dec.cli.main import app
+
+    data, out = tmp_path / "d.jsonl", tmp_path / "r.json"
+    data.write_text("".join(json.dumps({"input_ids": [5 + i, 9, 17, 30 + i], "output_tokens": 6}) + "\n"
+                            for i in range(4)))
+    r = CliRunner().invoke(app, ["bench", "--quiet", "--url", server.url, "--model", NAME, "--dataset", str(data),
+                                 "--concurrency", "2", "--num-requests", "4", "--report-json", str(out)])
+    assert r.exit_code == 0, r.output
+    lv = json.loads(out.read_text())["levels"][0]
+    assert lv["completed"] == 4 and lv["output_tokens"] == 24
+    assert lv["engine_steps"] > 0 and 0 < lv["engine_rows_per_step"] <= 2
+    assert lv["engine_steps"] * lv["engine_rows_per_step"] >= lv["output_tokens"]
 
 
 @pytest.mark.parametrize("body, status, param, needle", [
