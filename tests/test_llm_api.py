@@ -146,6 +146,8 @@ def test_kv_pools_return_to_empty(t5_llm):
     ([], None, "empty"),
     ("beam", SamplingParams(use_beam_search=True, best_of=2), "max_beam_width"),
     (3.5, None, "unsupported prompt type"),
+    ([5, 2.0, 7], None, "must be integers, got 2.0"),
+    ([5, True, 7], None, "must be integers, got True"),
 ])
 def test_bad_request_is_rejected_and_a_good_one_alongside_completes(t5_llm, prompt, params, pattern):
     good = t5_llm.generate_async("a good request", SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
@@ -153,6 +155,15 @@ def test_bad_request_is_rejected_and_a_good_one_alongside_completes(t5_llm, prom
         t5_llm.generate(prompt, params)
     out = good.result(timeout=60)
     assert out.finished and len(out.outputs[0].token_ids) == 6 and out.error is None
+
+
+def test_numpy_token_ids_decode_like_plain_ints(t5_llm):
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    ids = [5, 9, 17, 30]
+    plain = t5_llm.generate(ids, params)
+    as_numpy = t5_llm.generate([list(np.array(ids, dtype=np.int64))], params)[0]
+    assert as_numpy.prompt_token_ids == ids and type(as_numpy.prompt_token_ids[0]) is int
+    assert as_numpy.outputs[0].token_ids == plain.outputs[0].token_ids
 
 
 def test_empty_batch(t5_llm):

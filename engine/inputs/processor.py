@@ -35,6 +35,10 @@ class ProcessedInput:
 def _token_ids(values) -> list[int]:
     """Token ids as ints; a bool, a float or a string is a caller's mistake, not an id."""
     ids = list(values)
+    # Plain ints (the usual case) pass on an exact type check: the ABC check below costs ~0.2 ms
+    # per 128-token prompt, which a wave of 256 requests paid before its first token.
+    if all(type(t) is int for t in ids):
+        return ids
     bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
     if bad:
         raise ValueError(f"prompt token ids must be integers, got {bad[0]!r}")
