@@ -33,6 +33,7 @@ steps from a request's add() to its first output token with the host time those 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import gc
 import itertools
@@ -150,6 +151,7 @@ def _real_runner(num_running: int, output_len: int, graphs: bool):
     r.model, r.kv, r.sampler, r.states, r._state_of = _StubModel(), None, Sampler(), {}, {}
     r._prev_tokens, r._prev_rows, r.encoder_graphs = None, {}, None
     r._rows_ids, r._rows = [], ([], True, True)
+    r._encode_stream, r.encodes_beside, r._encodes_in_flight = None, False, collections.deque()
     r.graphs = _CpuGraphs(num_running, 32, output_len + 32, 128) if graphs else None
     return _CountingRunner(r)
 
@@ -181,9 +183,10 @@ def _stubbed_race():
 
 def _engine(num_running: int, output_len: int, overlap: bool, runner: str = "fake"):
     """An EngineCore around the fake (or stub-model) runner, built without a model (only the step loop runs)."""
-    from enc2dec.engine.engine_core import EngineCore
+    from enc2dec.engine.engine_core import EngineCore, StepCounters
 
     core = object.__new__(EngineCore)
+    core.counters = StepCounters()
     core.scheduler = _scheduler(num_running, output_len)
     core.runner = FakeRunner() if runner == "fake" else _real_runner(num_running, output_len, runner == "runner")
     core.tokenizer = FakeTokenizer()
