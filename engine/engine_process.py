@@ -328,8 +328,13 @@ def _serve_commands(llm, conn, sender: _ChildSender, clients: _Clients, first: b
                     tracked.append(t)
                 except Exception as e:  # noqa: BLE001 - the caller gets it, as in-process
                     errors.append((i, _portable(e)))
+            # Replies to adds are queued behind the step outputs (send_later), not written here
+            # once the writer has drained (send): that wait costs this thread GIL hand-offs with
+            # the writer and a busy step loop for every add, and the client's next adds queue
+            # behind it. The parent registers the handles before it sends, so an output may
+            # come before its reply.
             if errors:
-                sender.send(("reply", call_id, False, errors))
+                sender.send_later(("reply", call_id, False, errors))
                 continue
             if not first:
                 for t in tracked:
@@ -338,9 +343,9 @@ def _serve_commands(llm, conn, sender: _ChildSender, clients: _Clients, first: b
                 for t in tracked:
                     llm._submit(t)
             except RuntimeError as e:
-                sender.send(("reply", call_id, False, _portable(e)))
+                sender.send_later(("reply", call_id, False, _portable(e)))
                 continue
-            sender.send(("reply", call_id, True, None))
+            sender.send_later(("reply", call_id, True, None))
         elif kind == "abort":
             llm._abort(msg[1])
         elif kind == "call":

@@ -62,8 +62,9 @@ def synthetic_child(args, conn, step_s: float) -> None:
                     st[1] += 1
                     finished = st[1] >= st[0]
                     head = ("", [0] * 8) if st[1] == 1 else None
-                    comps = [(0, False, [5], (True, " x"), "length" if finished else None, None, None,
-                              False, None, None)]
+                    # EngineCore._delta's completion: index, new ids, text, text_replaces, finish and
+                    # stop reason, cumulative logprob, new logprobs, prefix logprobs
+                    comps = [(0, [5], " x", False, "length" if finished else None, None, None, None, None)]
                     deltas.append((rid, head, comps, finished, None,
                                    (st[2], st[2], now if st[1] == 1 else None, now if finished else None, 0, [now])))
                     if finished:

@@ -37,6 +37,8 @@ def main() -> None:
             continue
         n = int(count)
         frames = stack.split(";")
+        if frames[0].startswith("process ") and len(frames) > 1:     # --subprocesses: the thread follows
+            frames = [f"{frames[0].split(':', 1)[0]} {frames[1]}", *frames[2:]]
         thread = frames[0]
         threads[thread] += n
         if a.thread not in thread:
