@@ -20,6 +20,13 @@ def test_default_buckets_are_powers_of_two_up_to_the_limits():
                    (4, 64), (4, 128), (4, 256), (8, 64), (8, 128)]
 
 
+def test_a_wave_of_short_requests_that_fills_the_token_cap_has_a_graph():
+    # flan-t5 at C=64 and C=256: 64 requests of 128 tokens fill a step's 8192 tokens
+    got = encoder_buckets(EncodeCudaGraphConfig(), max_batch=256, max_tokens=8192, max_len=1024)
+    assert (64, 128) in got and (128, 64) in got and (8, 1024) in got
+    assert all(b * n <= 8192 for b, n in got) and max(b for b, _ in got) == 128
+
+
 def test_configured_buckets_and_the_token_cap():
     cfg = EncodeCudaGraphConfig(batch_sizes=(1, 3, 16), seq_lens=(100, 200, 5000), num_tokens=(400,))
     assert encoder_buckets(cfg, max_batch=8, max_tokens=8192, max_len=1024) == [(1, 100), (1, 200), (3, 100)]

@@ -218,15 +218,19 @@ def uniform_encoder_batch(batch: int, length: int, device: torch.device, dtype: 
 
 def encoder_buckets(cfg, max_batch: int, max_tokens: int, max_len: int, fixed_len: int | None = None
                     ) -> list[tuple[int, int]]:
-    """The (batch, length) buckets to capture: ``cfg.batch_sizes`` (default 1, 2, 4 ... 32 and
-    the cap's batch of longest inputs) up to ``max_batch``, ``cfg.seq_lens`` (default 64, 128 ...
-    up to ``max_len``, which is always included) or the model's one ``fixed_len``, and at most
-    ``max_tokens`` (and ``max(cfg.num_tokens)``, when given) padded tokens per bucket."""
+    """The (batch, length) buckets to capture: ``cfg.batch_sizes`` (default the powers of two
+    and the cap's batch of longest inputs) up to ``max_batch``, ``cfg.seq_lens`` (default 64,
+    128 ... up to ``max_len``, which is always included) or the model's one ``fixed_len``, and at
+    most ``max_tokens`` (and ``max(cfg.num_tokens)``, when given) padded tokens per bucket."""
     cap = min(max_tokens, max(cfg.num_tokens)) if cfg.num_tokens else max_tokens
     longest = fixed_len or max_len
-    # By default also the largest batch of the longest inputs the token cap admits (Whisper at
-    # 8192 tokens encodes 5 clips a step, which no power of two holds).
-    grid = cfg.batch_sizes or sorted({1, 2, 4, 8, 16, 32} | ({cap // longest} if cap >= longest else set()))
+    # Every power of two the token cap admits at some length: a wave of short requests fills a
+    # whole step's budget (64 of 128 tokens at 8192), and one larger than the largest graph
+    # encodes eagerly, on the main stream, at the host's launch rate. By default also the largest
+    # batch of the longest inputs (Whisper at 8192 tokens encodes 5 clips a step, which no power
+    # of two holds).
+    powers = {1 << i for i in range(max(1, max_batch).bit_length())}
+    grid = cfg.batch_sizes or sorted(powers | ({cap // longest} if cap >= longest else set()))
     batches = [b for b in grid if b <= max_batch]
     if fixed_len is not None:
         lens = [fixed_len]
