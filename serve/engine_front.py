@@ -21,7 +21,10 @@ from .config import ServeConfig
 from .errors import APIError, bad_request, unavailable
 
 logger = logging.getLogger("enc2dec.serve")
-INPUT_WORKERS = 4
+# Input threads per API process. Behind an engine process each one mostly waits for its add's
+# reply (an IPC round trip through a busy engine process), so a wave of requests at one API
+# process (16 of a 64-stream closed loop) queued behind four of them for their first token.
+INPUT_WORKERS = 16
 # Request fields the engine's refusals name, most specific first: the 400's ``param``.
 _ENGINE_PARAMS = ("stop_token_ids", "top_k", "temperature", "max_tokens", "min_tokens", "logprobs", "best_of")
 
@@ -83,7 +86,8 @@ class EngineFront:
         self.num_seqs_in_flight = 0      # their decoder sequences (n samples or beams each): the queue bound
         self.failed_on_input = False
         self.batches: set[Batch] = set()
-        # Tokenising and audio features run here, off the event loop, a few at a time.
+        # Tokenising, audio features and the engine process's add round trip run here, off the
+        # event loop.
         self.input_pool = ThreadPoolExecutor(max_workers=INPUT_WORKERS, thread_name_prefix="enc2dec-input")
 
     # ---- life cycle ---------------------------------------------------------------------------
