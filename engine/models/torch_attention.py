@@ -25,6 +25,12 @@ from enc2dec.kernels.reference import paged_attention_ref, store_kv_ref
 VIEW_MIN_KEYS = 256
 
 
+def _as(t: torch.Tensor, dtype) -> torch.Tensor:
+    """``t.to(dtype)`` without the call when it already is: a decode step would otherwise pay
+    a dispatch for each of its ~40 no-op conversions (pools and queries share the model's dtype)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """The first ``length`` positions of one sequence: [length, num_heads, head_dim]."""
     tpb = cache.shape[1]
@@ -38,7 +44,7 @@ def _gather_pages(cache: torch.Tensor, pages: torch.Tensor, dtype) -> torch.Tens
     which on a loaded two-core machine costs milliseconds (measured: 2.1 ms against 12 us)."""
     num_seqs, num_blocks = pages.shape
     rows = cache.index_select(0, pages.reshape(-1))                     # [S * nb, T, H, D]
-    return rows.view(num_seqs, num_blocks * cache.shape[1], *cache.shape[2:]).transpose(1, 2).to(dtype)
+    return _as(rows.view(num_seqs, num_blocks * cache.shape[1], *cache.shape[2:]).transpose(1, 2), dtype)
 
 
 def _consecutive_starts(tables: list[list[int]], lens: list[int], tpb: int) -> list[int] | None:
@@ -146,9 +152,9 @@ class TorchAttentionBackend:
         keep = self._kept(slot_mapping)
         if keep is not None:
             slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
-        slots = slot_mapping.long()
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
+        slots = _as(slot_mapping, torch.int64)
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, _as(k, k_cache.dtype))
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, _as(v, v_cache.dtype))
 
     def _kept(self, slot_mapping: torch.Tensor) -> torch.Tensor | None:
         """Which slots to write, or None for all; every layer of a step passes the same tensor."""
@@ -271,8 +277,8 @@ class TorchAttentionBackend:
         flats = [c.view(-1, num_heads, head_dim) for c in (k_cache, v_cache)]               # [slots, H, D]
 
         def view(count, first, gap):
-            return [f.as_strided((count, num_heads, length, head_dim), (gap * tpb * row, head_dim, row, 1),
-                                 f.storage_offset() + first * tpb * row).to(q.dtype) for f in flats]   # [G, H, L, D]
+            return [_as(f.as_strided((count, num_heads, length, head_dim), (gap * tpb * row, head_dim, row, 1),
+                                     f.storage_offset() + first * tpb * row), q.dtype) for f in flats]   # [G, H, L, D]
 
         if plan["runs"] is not None:
             # Beams: each run of m rows shares one request's K/V, read once for its m queries.
