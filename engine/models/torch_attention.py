@@ -269,8 +269,9 @@ class TorchAttentionBackend:
         """A decode step over equal-length encoder K/V: one attention call per group of rows whose
         runs of the pool start at evenly spaced blocks (``_spaced_groups``; usually one group),
         each on a strided view [G, H, L, D] of the pool, no copy. Each (row, head) is the same
-        flash computation as the per-row loop's, bit for bit; the loop costs a parallel region
-        per row and layer."""
+        flash computation as the per-row loop's: bit for bit on one thread; with several, how
+        SDPA splits the keys among threads may differ by CPU (an AVX2 machine rounded ~1e-7
+        apart). The loop costs a parallel region per row and layer."""
         length = meta.enc_lens_host[0]
         num_seqs, num_heads, head_dim = q.shape
         row = num_heads * head_dim
