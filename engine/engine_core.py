@@ -139,8 +139,7 @@ class StepCounters:
     device_wait_s: float = 0.0    # of which waiting for a launched step's results
 
     def as_dict(self) -> dict:
-        return {"num_steps": self.num_steps, "num_rows": self.num_rows, "num_encodes": self.num_encodes,
-                "step_s": self.step_s, "device_wait_s": self.device_wait_s}
+        return dataclasses.asdict(self)
 
 
 class EngineCore:
