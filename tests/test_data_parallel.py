@@ -46,7 +46,11 @@ def test_greedy_outputs_match_one_engine_and_a_batch_spreads_over_both(pair):
     want, got = one.generate(PROMPTS, params, use_tqdm=False), dp.generate(PROMPTS, params, use_tqdm=False)
     assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in want]
     assert [[c.text for c in o.outputs] for o in got] == [[c.text for c in o.outputs] for o in want]
-    assert got[2].outputs[0].logprobs == want[2].outputs[0].logprobs
+    # Each replica runs on its share of the cores: the same tokens, and log-probabilities to
+    # float32 rounding (how a kernel splits its work among threads may round differently; an
+    # AVX2 machine did).
+    for g, w in zip(got[2].outputs[0].logprobs, want[2].outputs[0].logprobs):
+        assert g.keys() == w.keys() and all(abs(g[t] - w[t]) <= 1e-5 for t in g), (g, w)
     assert [o.prompt for o in got] == PROMPTS
     spread = [b - a for a, b in zip(before, _routed(dp))]
     assert sum(spread) == len(PROMPTS) and min(spread) >= 3, spread
