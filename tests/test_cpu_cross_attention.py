@@ -77,3 +77,61 @@ def test_rows_of_different_lengths_keep_the_per_row_path():
     ref = paged_attention_ref(q, k, v, meta.query_start_loc, meta.enc_lens, meta.cross_block_tables, 0.25,
                               causal=False)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+
+
+def _short_meta(first_blocks: list[int], enc_len: int, self_tables: list[list[int]], seq_lens: list[int]):
+    n = len(first_blocks)
+    nb = (enc_len + TPB - 1) // TPB
+    return DecoderMetadata(query_start_loc=torch.arange(n + 1, dtype=torch.int32),
+                           seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+                           block_tables=torch.tensor(self_tables, dtype=torch.int32), slot_mapping=torch.arange(n),
+                           cross_block_tables=torch.tensor([[b + i for i in range(nb)] for b in first_blocks],
+                                                           dtype=torch.int32),
+                           enc_lens=torch.full((n,), enc_len, dtype=torch.int32), query_lens_host=[1] * n,
+                           seq_lens_host=seq_lens, enc_lens_host=[enc_len] * n, last_token_indices=torch.arange(n))
+
+
+@pytest.mark.parametrize("first_blocks, strided", [
+    ([3], True), ([0, 1, 2, 3], True), ([5, 1, 3], True),   # a text prompt's one block per request
+    ([0, 1, 5, 6, 20, 22], False),                          # 3 groups: a gather and one call instead
+])
+def test_short_encoders_of_equal_length_are_read_in_place(first_blocks, strided):
+    """A text encoder's K/V (here 40 positions: two blocks, the second partial) is read as a view
+    of the pool when the rows fall into at most two evenly spaced groups, with the gathered
+    path's result."""
+    k, v, q_all = _pools()
+    n = len(first_blocks)
+    meta = _short_meta([2 * b for b in first_blocks], 40, [[0]] * n, [1] * n)
+    q = q_all[:n]
+    backend = TorchAttentionBackend()
+    assert (backend._cross_plan(meta, TPB, q.dtype)["groups"] is not None) == strided
+    got = backend.cross_attention(q, k, v, meta, 0.25)
+    ref = paged_attention_ref(q, k, v, meta.query_start_loc, meta.enc_lens, meta.cross_block_tables, 0.25,
+                              causal=False)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("tables, seq_lens, strided", [
+    ([[4]], [17], True),                                 # one request, one block
+    ([[4, 5, 6]], [70], True),                           # one request on consecutive blocks
+    ([[0, 1], [2, 3], [4, 5]], [40, 64, 33], True),      # admitted together, allocated in turn
+    ([[0], [1], [2]], [9, 3, 30], True),
+    ([[0, 3], [1, 4]], [40, 50], False),                 # blocks interleaved: gathered
+    ([[2], [0]], [5, 5], False),                         # rows out of pool order: gathered
+])
+def test_decode_self_attention_reads_evenly_spaced_pages_in_place(tables, seq_lens, strided):
+    """A decode step's self-attention over the paged cache, with and without T5's relative bias:
+    pages on evenly spaced runs of blocks are a strided view (no gather), and every layout gives
+    the reference's result, each row masked to its own length."""
+    k, v, q_all = _pools()
+    n = len(tables)
+    meta = _short_meta([0] * n, 8, tables, seq_lens)
+    q = q_all[:n]
+    bias = torch.randn(HEADS, 128, generator=torch.Generator().manual_seed(1))
+    for table in (None, bias):
+        backend = TorchAttentionBackend()
+        got = backend.self_attention(q, k, v, meta, 0.25, table)
+        assert (backend._dec[1]["self_run"] is not None) == strided
+        ref = paged_attention_ref(q, k, v, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.25,
+                                  causal=True, bias_table=table)
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)

@@ -23,6 +23,10 @@ from enc2dec.kernels.reference import paged_attention_ref, store_kv_ref
 # the pool when they are consecutive, instead of gathering a copy every step and layer (a
 # Whisper clip's 1500 positions are 3 MB per layer and pool for whisper-base).
 VIEW_MIN_KEYS = 256
+# Shorter ones (a text encoder's) are read in place too when every row has the same length and
+# the rows fall into at most this many evenly spaced groups: a CPU decode step at a few rows is
+# bound by its op count, and a gather is two ops per layer and pool.
+SHORT_VIEW_MAX_GROUPS = 2
 
 
 def _as(t: torch.Tensor, dtype) -> torch.Tensor:
@@ -45,6 +49,37 @@ def _gather_pages(cache: torch.Tensor, pages: torch.Tensor, dtype) -> torch.Tens
     num_seqs, num_blocks = pages.shape
     rows = cache.index_select(0, pages.reshape(-1))                     # [S * nb, T, H, D]
     return _as(rows.view(num_seqs, num_blocks * cache.shape[1], *cache.shape[2:]).transpose(1, 2), dtype)
+
+
+def _is_host(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu"
+
+
+def _arithmetic_run(tables: list[list[int]]) -> tuple[int, int] | None:
+    """(first block, gap) when row i's pages are blocks ``first + i * gap + j`` (j = 0, 1, ...):
+    every row on consecutive blocks, the rows' first blocks in order and evenly spaced. Then
+    the pages are one strided view of the pool instead of a gathered copy (a request's blocks are
+    handed out in order, and requests admitted together get theirs one after another)."""
+    first = tables[0][0]
+    gap = tables[1][0] - first if len(tables) > 1 else 0
+    if gap < 0:
+        return None
+    for i, row in enumerate(tables):
+        base = first + i * gap
+        if any(b != base + j for j, b in enumerate(row)):
+            return None
+    return first, gap
+
+
+def _strided_pages(cache: torch.Tensor, num_seqs: int, run: tuple[int, int], length: int, dtype) -> torch.Tensor:
+    """``length`` positions of each row from the blocks of ``run`` (``_arithmetic_run``), as the
+    view [S, H, length, D] of the pool that ``_gather_pages`` would copy out."""
+    first, gap = run
+    tpb, num_heads, head_dim = cache.shape[1:]
+    row = num_heads * head_dim
+    flat = cache.view(-1, num_heads, head_dim)
+    return _as(flat.as_strided((num_seqs, num_heads, length, head_dim), (gap * tpb * row, head_dim, row, 1),
+                               flat.storage_offset() + first * tpb * row), dtype)
 
 
 def _consecutive_starts(tables: list[list[int]], lens: list[int], tpb: int) -> list[int] | None:
@@ -183,12 +218,17 @@ class TorchAttentionBackend:
         if "self_pages" not in step:
             nb = (max(meta.seq_lens_host) + tpb - 1) // tpb
             step["self_pages"] = meta.block_tables[:, :nb].long()                          # [S, nb]
+            step["self_run"] = _arithmetic_run(step["self_pages"].tolist()) if _is_host(meta.block_tables) else None
         pages = step["self_pages"]
         key = ("self_mask", q.dtype)
         if key not in step or step[key][0] is not bias_table:
             step[key] = (bias_table, self._causal_mask(meta, pages.shape[1] * tpb, bias_table, q.dtype))
         mask = step[key][1]                                                                 # [S, H|1, 1, K]
-        k, v = _gather_pages(k_cache, pages, q.dtype), _gather_pages(v_cache, pages, q.dtype)   # [S, H, K, D]
+        run = step["self_run"]
+        if run is not None:       # the pages lie at evenly spaced runs of the pool: read it in place
+            k, v = (_strided_pages(c, pages.shape[0], run, pages.shape[1] * tpb, q.dtype) for c in (k_cache, v_cache))
+        else:
+            k, v = _gather_pages(k_cache, pages, q.dtype), _gather_pages(v_cache, pages, q.dtype)   # [S, H, K, D]
         o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale)   # [S, H, 1, D]
         return o.squeeze(2)
 
@@ -248,15 +288,20 @@ class TorchAttentionBackend:
     def _cross_plan(meta, tpb: int, dtype) -> dict:
         lens = meta.enc_lens_host
         longest = max(lens)
+        equal = len(set(lens)) == 1
         starts = None
-        if longest >= VIEW_MIN_KEYS:
+        if longest >= VIEW_MIN_KEYS or (equal and _is_host(meta.cross_block_tables)):
             starts = _consecutive_starts(meta.cross_block_tables.tolist(), lens, tpb)
         groups = runs = None
-        if starts is not None and len(set(lens)) == 1:
+        if starts is not None and equal:
             dev = meta.enc_lens.device
-            groups = [(rows if rows == list(range(rows[0], rows[0] + len(rows))) else torch.tensor(rows, device=dev),
-                       first, gap, len(rows)) for rows, first, gap in _spaced_groups(starts)]
-            runs = _shared_runs(starts)
+            spaced = _spaced_groups(starts)
+            if longest < VIEW_MIN_KEYS and len(spaced) > SHORT_VIEW_MAX_GROUPS:
+                starts = None     # a short gather and one call beat a call per group
+            else:
+                groups = [(rows if rows == list(range(rows[0], rows[0] + len(rows))) else torch.tensor(rows, device=dev),
+                           first, gap, len(rows)) for rows, first, gap in spaced]
+                runs = _shared_runs(starts)
         nb = (longest + tpb - 1) // tpb
         pages = meta.cross_block_tables[:, :nb].long()                                      # [S, nb]
         k_pos = torch.arange(nb * tpb, device=pages.device)
