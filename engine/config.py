@@ -289,7 +289,10 @@ class LlmArgs:
         default_factory=lambda: EncodeCudaGraphConfig(enable_padding=True))
     # False: a step that encodes new requests runs its decoder half eagerly (graphs elsewhere).
     enable_encoder_decoder_mixed_cuda_graph: bool = True
-    disable_overlap_scheduler: bool = False
+    # Unset: overlap where the device runs asynchronously (CUDA), not on the CPU, where launch
+    # computes the step before it returns: there it would only deliver every token a step late.
+    # false forces it on (the CPU tests exercise its bookkeeping that way).
+    disable_overlap_scheduler: bool | None = None
     enable_chunked_prefill: bool = False
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     tensor_parallel_size: int = 1
@@ -320,6 +323,9 @@ class LlmArgs:
         for name in ("enable_encoder_decoder_mixed_cuda_graph", "trust_remote_code", "engine_process"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.disable_overlap_scheduler is not None and not isinstance(self.disable_overlap_scheduler, bool):
+            raise ValueError(f"disable_overlap_scheduler must be true, false or null (unset: on for CUDA, off on the "
+                             f"CPU), got {self.disable_overlap_scheduler!r}")
         if self.backend != "pytorch":
             raise ValueError(f"backend={self.backend!r} is not supported; valid: pytorch")
         if self.attn_backend != "auto":

@@ -200,8 +200,11 @@ class EngineCore:
         self.scheduler = Scheduler(self.limits, plan.num_self_blocks, plan.num_cross_blocks)
         self._live: dict[str, _Tracked] = {}
         self._ids = itertools.count()
-        # Overlap: step N+1 is scheduled and launched while the GPU runs step N.
-        self.overlap = not args.disable_overlap_scheduler
+        # Overlap: step N+1 is scheduled and launched while the GPU runs step N. On the CPU a launch
+        # returns with the step computed, so there is nothing to overlap and, unless asked for,
+        # it is off: with it, every output (the first token too) would wait one more step.
+        self.overlap = args.disable_overlap_scheduler is False or (
+            args.disable_overlap_scheduler is None and self.device.type == "cuda")
         self._inflight = None                      # (SchedulerOutput, PendingStep) not yet resolved
         self.counters = StepCounters()
         # Everything alive now (torch, transformers, the model: ~360k objects for flan-t5-small)

@@ -52,3 +52,26 @@ def test_dense_mlp_with_fused_activation_matches_the_plain_one(act, bias, rows):
     # a module that trains keeps the plain path (the fused op has no autograd)
     mlp.requires_grad_(True)
     torch.testing.assert_close(mlp(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_lm_head_pads_a_step_up_to_a_packed_row_count_without_changing_any_row():
+    """The head is packed for a few row counts and a step of fewer rows is padded: every count
+    from 1 to 17 gives F.linear's logits to rounding, a row's logits do not depend on the rows
+    beside it (what a seeded request's reproducibility across batches needs), and at most
+    HEAD_MAX_PACKS packs are kept."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(300, 24, generator=g)
+    head = cpu_linear.PackedHead()
+    probe = torch.randn(1, 24, generator=g)
+    alone = {}
+    for rows in list(range(1, 18)) * cpu_linear.HEAD_PACK_AFTER_CALLS:
+        others = torch.randn(rows - 1, 24, generator=g)
+        x = torch.cat([probe, others])
+        got = head(x, weight)
+        assert got.shape == (rows, 300)
+        torch.testing.assert_close(got, F.linear(x, weight))
+        m = next((b for b in cpu_linear.HEAD_PACK_ROWS if rows <= b), None)
+        if m in head.packs:      # through a pack: the probe row is the same whatever sits beside it
+            assert torch.equal(got[0], alone.setdefault(m, got[0]))
+    assert len(head.packs) == cpu_linear.HEAD_MAX_PACKS and set(head.packs) <= set(cpu_linear.HEAD_PACK_ROWS)
+    assert len(alone) == cpu_linear.HEAD_MAX_PACKS       # rows went through both packs

@@ -106,3 +106,25 @@ def test_processor_reading_only_the_count_keeps_the_overlap(bart):
     without, _ = _run(_core(bart, overlap=False), special)
     assert with_overlap == without
     assert steps_of["special"] == list(range(NUM_STEPS))
+
+
+@pytest.mark.parametrize("setting, overlap, steps_to_first", [(None, False, 1), (False, True, 2)])
+def test_on_the_cpu_overlap_is_off_unless_asked_and_the_first_token_comes_with_its_step(t5_relu, setting, overlap,
+                                                                                        steps_to_first):
+    """A CPU launch computes its step before it returns: with the overlap, every output (the first
+    token too) would only be handed back by the next step, a step's latency for nothing."""
+    core = EngineCore(LlmArgs(model=t5_relu, dtype="float32", disable_overlap_scheduler=setting,
+                              kv_cache_config=KvCacheConfig(cross_kv_cache_fraction=0.5, max_cpu_memory_bytes=64 << 20)))
+    try:
+        assert core.overlap is overlap
+        core.add(core.make_request("hello", SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+                                   request_id="r", streaming=True))
+        steps = 0
+        while True:
+            steps += 1
+            outs = [o for o in core.step() if o.request_id == "r" and o.outputs[0].token_ids]
+            if outs:
+                break
+        assert steps == steps_to_first
+    finally:
+        core.shutdown()
