@@ -319,12 +319,9 @@ class TorchAttentionBackend:
         apart). The loop costs a parallel region per row and layer."""
         length = meta.enc_lens_host[0]
         num_seqs, num_heads, head_dim = q.shape
-        row = num_heads * head_dim
-        flats = [c.view(-1, num_heads, head_dim) for c in (k_cache, v_cache)]               # [slots, H, D]
 
         def view(count, first, gap):
-            return [_as(f.as_strided((count, num_heads, length, head_dim), (gap * tpb * row, head_dim, row, 1),
-                                     f.storage_offset() + first * tpb * row), q.dtype) for f in flats]   # [G, H, L, D]
+            return [_strided_pages(c, count, (first, gap), length, q.dtype) for c in (k_cache, v_cache)]   # [G, H, L, D]
 
         if plan["runs"] is not None:
             # Beams: each run of m rows shares one request's K/V, read once for its m queries.
