@@ -34,6 +34,7 @@ def test_unknown_nested_key():
     ({"scheduler_config": {"capacity_scheduler_policy": "FIFO"}}, "capacity_scheduler_policy='FIFO' is not valid"),
     ({"kv_cache_config": {"use_kv_cache_manager_v2": True}, "max_beam_width": 4}, "requires max_beam_width=1"),
     ({"max_beam_width": 8, "max_batch_size": 4}, r"max_beam_width \(8\) must not exceed max_batch_size \(4\)"),
+    ({"disable_overlap_scheduler": "no"}, r"disable_overlap_scheduler must be true, false or null"),
 ])
 def test_invalid_values_name_the_key(data, pattern):
     with pytest.raises(ValueError, match=pattern):
