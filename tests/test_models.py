@@ -268,3 +268,21 @@ def test_real_whisper_tiny_en_matches_transformers(real_whisper):
     ref = hf(encoder_outputs=(ref_enc[None],), decoder_input_ids=torch.tensor([greedy])).logits[0]
     torch.testing.assert_close(logits, ref, atol=2e-3, rtol=1e-4)
     assert logits.argmax(-1)[len(prompt) - 1:-1].tolist() == greedy[len(prompt):]
+
+
+@pytest.mark.parametrize("family", ["flan_t5", "bart", "whisper"])
+def test_loading_a_checkpoint_does_not_import_torch_dynamo(family, request):
+    """Building on the meta device skips the embeddings' random init: a meta ``normal_`` runs
+    PyTorch's Python reference, whose first call imports torch._dynamo (over a second of every
+    start on two cores) only for the values to be overwritten by the checkpoint."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\n"
+            "from enc2dec.engine.runner.loader import load_model\n"
+            f"model = load_model({request.getfixturevalue(family)!r})\n"
+            "assert all(not p.is_meta for p in model.parameters())\n"
+            "print('torch._dynamo' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == "False"

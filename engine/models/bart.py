@@ -16,7 +16,7 @@ from torch import nn
 from enc2dec.engine.models.attention import DecoderMetadata, EncoderMetadata, KVCache, LayerKV
 from enc2dec.engine.parallel.distributed import SINGLE, TensorParallelGroup
 from enc2dec.engine.models.base import EncoderDecoderLM
-from enc2dec.engine.models.layers import CrossAttention, DenseMLP, LayerNorm, SelfAttention
+from enc2dec.engine.models.layers import CrossAttention, DenseMLP, Embedding, LayerNorm, SelfAttention
 
 # Checkpoint names of BART, mBART and Whisper equal ours after "model." is stripped,
 # except for the fused projections, the MLP submodule and Whisper's proj_out.
@@ -114,7 +114,7 @@ class _BartStack(nn.Module):
         else:
             n, heads, ffn, layer_cls = (config.encoder_layers, config.encoder_attention_heads,
                                         config.encoder_ffn_dim, BartEncoderLayer)
-        self.embed_positions = nn.Embedding(config.max_position_embeddings + POSITION_OFFSET, d)
+        self.embed_positions = Embedding(config.max_position_embeddings + POSITION_OFFSET, d)
         self.layernorm_embedding = LayerNorm(d)
         self.layers = nn.ModuleList(layer_cls(d, heads, ffn, config.activation_function, pre_norm, backend, tp=tp)
                                     for _ in range(n))
@@ -134,7 +134,7 @@ class BartForConditionalGeneration(EncoderDecoderLM):
         self.config = config
         self.tp = tp
         d, vocab = config.d_model, config.vocab_size
-        self.embed_tokens = nn.Embedding(vocab, d)
+        self.embed_tokens = Embedding(vocab, d)
         self.embed_scale = math.sqrt(d) if config.scale_embedding else 1.0
         self.encoder = _BartStack(config, False, self.pre_norm, backend, tp)
         self.decoder = _BartStack(config, True, self.pre_norm, backend, tp)

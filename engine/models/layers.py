@@ -83,6 +83,15 @@ class RMSNorm(nn.Module):
         return rms_norm(h, self.weight, self.eps), h
 
 
+class Embedding(nn.Embedding):
+    """nn.Embedding without its random init. Every model is built on the meta device and then
+    loaded (or given dummy weights), so the init only costs: on a meta tensor ``normal_`` runs
+    PyTorch's Python reference, whose first call imports torch._dynamo (1.2 s of every start)."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
 class LayerNorm(nn.LayerNorm):
     """nn.LayerNorm (BART, mBART, Whisper) with the residual add of ``RMSNorm.add_forward``."""
 

@@ -17,7 +17,7 @@ from torch import nn
 from enc2dec.engine.models.attention import DecoderMetadata, EncoderMetadata, KVCache, LayerKV
 from enc2dec.engine.parallel.distributed import SINGLE, TensorParallelGroup
 from enc2dec.engine.models.base import EncoderDecoderLM
-from enc2dec.engine.models.layers import CrossAttention, DenseMLP, GatedMLP, RMSNorm, SelfAttention
+from enc2dec.engine.models.layers import CrossAttention, DenseMLP, Embedding, GatedMLP, RMSNorm, SelfAttention
 
 _QKV = {"q": 0, "k": 1, "v": 2}
 _KV = {"k": 0, "v": 1}
@@ -46,7 +46,7 @@ def relative_position_bucket(rel: torch.Tensor, bidirectional: bool, num_buckets
     return buckets + torch.where(dist < max_exact, dist, large)
 
 
-class RelativeBias(nn.Embedding):
+class RelativeBias(Embedding):
     """[num_buckets, heads]; a rank keeps the columns of its own heads."""
 
     tp_dims = {"weight": 1}
@@ -144,7 +144,7 @@ class T5ForConditionalGeneration(EncoderDecoderLM):
         self.config = config
         self.tp = tp
         d = config.d_model
-        self.embed_tokens = nn.Embedding(config.vocab_size, d)
+        self.embed_tokens = Embedding(config.vocab_size, d)
         self.encoder = T5Stack(config, config.num_layers, False, backend, tp)
         self.decoder = T5Stack(config, config.num_decoder_layers, True, backend, tp)
         # transformers >= 5 forces tie_word_embeddings=True on T5 and keeps the checkpoint's

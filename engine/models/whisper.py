@@ -16,7 +16,7 @@ from enc2dec.engine.models.attention import DecoderMetadata, EncoderMetadata, KV
 from enc2dec.engine.parallel.distributed import SINGLE, TensorParallelGroup
 from enc2dec.engine.models.bart import BART_STYLE_RULES, BartDecoderLayer, BartEncoderLayer, run_layers
 from enc2dec.engine.models.base import EncoderDecoderLM
-from enc2dec.engine.models.layers import LayerNorm
+from enc2dec.engine.models.layers import Embedding, LayerNorm
 
 
 class WhisperEncoder(nn.Module):
@@ -25,7 +25,7 @@ class WhisperEncoder(nn.Module):
         d = config.d_model
         self.conv1 = nn.Conv1d(config.num_mel_bins, d, kernel_size=3, padding=1)
         self.conv2 = nn.Conv1d(d, d, kernel_size=3, stride=2, padding=1)
-        self.embed_positions = nn.Embedding(config.max_source_positions, d)
+        self.embed_positions = Embedding(config.max_source_positions, d)
         self.layers = nn.ModuleList(
             BartEncoderLayer(d, config.encoder_attention_heads, config.encoder_ffn_dim, config.activation_function,
                              pre_norm=True, backend=backend, k_bias=False, tp=tp)
@@ -37,7 +37,7 @@ class WhisperDecoder(nn.Module):
     def __init__(self, config, backend, tp: TensorParallelGroup = SINGLE):
         super().__init__()
         d = config.d_model
-        self.embed_positions = nn.Embedding(config.max_target_positions, d)
+        self.embed_positions = Embedding(config.max_target_positions, d)
         self.layers = nn.ModuleList(
             BartDecoderLayer(d, config.decoder_attention_heads, config.decoder_ffn_dim, config.activation_function,
                              pre_norm=True, backend=backend, k_bias=False, tp=tp)
@@ -53,7 +53,7 @@ class WhisperForConditionalGeneration(EncoderDecoderLM):
         self.config = config
         self.tp = tp
         d = config.d_model
-        self.embed_tokens = nn.Embedding(config.vocab_size, d)
+        self.embed_tokens = Embedding(config.vocab_size, d)
         self.encoder = WhisperEncoder(config, backend, tp)
         self.decoder = WhisperDecoder(config, backend, tp)
         self._init_lm_head(config.vocab_size, d, tied=config.tie_word_embeddings)
