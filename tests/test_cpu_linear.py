@@ -33,7 +33,7 @@ def test_packs_at_most_max_packs_row_counts():
 
 @pytest.mark.skipif(not cpu_linear.onednn_linear_available(), reason="this torch has no oneDNN linear")
 @pytest.mark.parametrize("act,bias", [("gelu", True), ("relu", False), ("gelu_new", True)])
-@pytest.mark.parametrize("rows", [1, 5, cpu_linear.FUSED_ACT_MIN_ROWS, 301])
+@pytest.mark.parametrize("rows", [1, 5, cpu_linear.FUSED_ACT_MIN_ROWS, 301, 2 * cpu_linear.MLP_CHUNK_ROWS + 7])
 def test_dense_mlp_with_fused_activation_matches_the_plain_one(act, bias, rows):
     from enc2dec.engine.models.layers import DenseMLP
 
@@ -42,7 +42,7 @@ def test_dense_mlp_with_fused_activation_matches_the_plain_one(act, bias, rows):
     with torch.no_grad():
         for p in mlp.parameters():
             p.normal_(0, 0.2)
-    x = torch.randn(rows, 48)
+    x = torch.randn(rows, 48)            # past MLP_CHUNK_ROWS: three chunks, the last a short one
     with torch.no_grad():
         expected = mlp(x)
         assert cpu_linear.use_packed_cpu_linear(mlp) == 2

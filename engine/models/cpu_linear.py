@@ -124,6 +124,11 @@ class PackedCpuRowParallelLinear(RowParallelLinear):
 FUSED_ACT_MIN_ROWS = 64
 # Activations oneDNN's post-op applies exactly as torch does (its "gelu" is the erf form).
 _ONEDNN_ACTS = {F.gelu: "gelu", F.relu: "relu"}
+# Rows of an encoder batch whose MLP runs at once: glibc maps every allocation over 32 MB afresh
+# (and unmaps it when freed), so the [rows, d_ff] activation of a whole batch (37 MB at three
+# Whisper windows) page-faults every 4 KB of itself in every layer; chunks of this many rows stay
+# under it and are reused from the heap, and each chunk's activation is still in cache for fc2.
+MLP_CHUNK_ROWS = 1024
 
 
 class FusedActCpuDenseMLP(DenseMLP):
@@ -139,9 +144,19 @@ class FusedActCpuDenseMLP(DenseMLP):
         fc1 = self.fc1
         if act is None or rows < FUSED_ACT_MIN_ROWS or x.dtype != torch.float32 or fc1.weight.requires_grad:
             return super().forward(x)
-        h = torch.ops.mkldnn._linear_pointwise(x, fc1.weight, fc1.bias, act, [None] if act == "gelu" else [],
-                                               "none" if act == "gelu" else "")       # [rows, d_ff / tp]
-        return self.fc2(h)
+        scalars, algo = ([None], "none") if act == "gelu" else ([], "")
+        x2 = x.reshape(rows, x.shape[-1])
+        if rows <= MLP_CHUNK_ROWS or self.fc2.tp.size > 1:
+            h = torch.ops.mkldnn._linear_pointwise(x2, fc1.weight, fc1.bias, act, scalars, algo)   # [rows, d_ff / tp]
+            return self.fc2(h).view(*x.shape[:-1], -1)
+        out = x2.new_empty(rows, self.fc2.weight.shape[0])
+        for s in range(0, rows, MLP_CHUNK_ROWS):
+            h = torch.ops.mkldnn._linear_pointwise(x2[s:s + MLP_CHUNK_ROWS], fc1.weight, fc1.bias, act, scalars, algo)
+            if self.fc2.bias is None:
+                torch.mm(h, self.fc2.weight.t(), out=out[s:s + MLP_CHUNK_ROWS])
+            else:
+                torch.addmm(self.fc2.bias, h, self.fc2.weight.t(), out=out[s:s + MLP_CHUNK_ROWS])
+        return out.view(*x.shape[:-1], -1)
 
 
 _PACKED_CLASSES = {nn.Linear: PackedCpuLinear, MergedLinear: PackedCpuMergedLinear,
