@@ -276,6 +276,10 @@ def _transcribe_here(o: dict, args, files: list[str], formats: list[str]):
     progress = make_progress(quiet=o["quiet"])
     try:
         t0 = time.perf_counter()
+        if o["strategy"] == "vad":
+            from enc2dec.engine.whisper.vad import preload_in_background
+
+            preload_in_background()          # beside the checkpoint's load, not in the first file's time
         try:
             with progress.status(f"loading {args.model}"):
                 llm = start_llm(args)

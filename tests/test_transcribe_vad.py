@@ -188,3 +188,26 @@ def test_cli_vad_strategy_writes_the_transcript(real_whisper, tmp_path):
     data = json.loads((tmp_path / "out" / "gaps.json").read_text())
     assert "young man" in data["text"].lower() and "selfish" in data["text"].lower()
     assert data["segments"][0]["start"] >= 11.0
+
+
+def test_silero_preloaded_beside_the_engine_load_is_loaded_once_and_leaves_torch_threads_alone():
+    """``enc2dec transcribe --strategy vad`` loads Silero on a thread while the checkpoint loads;
+    the first long file then finds it loaded (one load, however the two calls interleave), and
+    silero_vad's import, which sets torch to one thread, leaves the engine's thread count as it was."""
+    pytest.importorskip("silero_vad")
+    import threading
+
+    import torch
+    from enc2dec.engine.whisper import vad
+
+    threads = torch.get_num_threads()
+    vad._load_model.cache_clear()
+    vad.preload_in_background()
+    vad.preload_in_background()
+    wave = np.zeros(16000 * 3, dtype=np.float32)
+    assert vad.speech_regions(wave, 16000, 30.0) == []           # silence: no speech
+    for t in threading.enumerate():
+        if t.name == "enc2dec-vad-load":
+            t.join(30)
+    assert vad._load_model.cache_info().misses == 1
+    assert torch.get_num_threads() == threads

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -86,8 +87,29 @@ def check_available() -> None:
         raise ValueError(INSTALL_HINT)
 
 
-@functools.lru_cache(maxsize=1)
+_MODEL_LOCK = threading.Lock()
+
+
 def _model():
+    with _MODEL_LOCK:               # one load, also when a preload is under way
+        return _load_model()
+
+
+def preload_in_background() -> None:
+    """Load Silero (onnxruntime's import and the model, ~0.2 s on two cores) on a daemon thread,
+    e.g. while the engine loads its checkpoint, instead of inside the first long file's
+    transcription. A missing package is left to ``speech_regions`` to report."""
+    def load() -> None:
+        try:
+            _model()
+        except ValueError:
+            pass
+
+    threading.Thread(target=load, name="enc2dec-vad-load", daemon=True).start()
+
+
+@functools.lru_cache(maxsize=1)
+def _load_model():
     import torch
 
     # silero_vad sets torch to one thread when imported; the engine's CPU path needs its threads back.
