@@ -11,12 +11,12 @@ PROMPTS = [f"translate English to German: sentence number {i} " + "word " * (i %
 KV = KvCacheConfig(cross_kv_cache_fraction=0.5, free_gpu_memory_fraction=0.2)
 
 
-def _reference(path, dtype, family, max_new_tokens):
+def _reference(path, dtype, family, max_new_tokens, prompts=PROMPTS):
     tok = AutoTokenizer.from_pretrained(path)
     hf = AutoModelForSeq2SeqLM.from_pretrained(path, dtype=dtype).cuda().eval()
     extra = {"use_cache": False} if family == "flan_t5" else {}
     refs = []
-    for p in PROMPTS:
+    for p in prompts:
         enc = tok(p, return_tensors="pt").to("cuda")
         out = hf.generate(**enc, do_sample=False, num_beams=1, max_new_tokens=max_new_tokens, min_new_tokens=0,
                           no_repeat_ngram_size=0, forced_eos_token_id=None, **extra)
@@ -34,27 +34,39 @@ def test_float32_greedy_identical_to_transformers(family, request):
     assert [o.outputs[0].token_ids for o in outs] == refs
 
 
+# The bf16 closeness test's prompts: enough that its rule is not a coin toss (below).
+BF16_PROMPTS = [f"translate English to German: sentence number {i} " + "word " * (i % 7) for i in range(160)]
+
+
 @pytest.mark.parametrize("family", ["t5_relu", "flan_t5", "bart", "mbart"])
 def test_bfloat16_with_graphs_as_close_to_float32_as_transformers_bfloat16(family, request):
     """Tiny random checkpoints have near-tied logits, so bf16 rounding flips some greedy
     choices in any implementation, and which ones flips with the batch shapes a run happens to
     use: ours (bf16, graphs) must agree with the float32 reference on the first 16 tokens, and
-    on the first token, about as often as transformers' own bf16 does (up to 3 of 20 requests
-    fewer, since which choices flip varies from run to run of one commit). A broken bf16 path
-    diverges from the first tokens on most requests. The 95 % rule runs on real weights below."""
+    on the first token, about as often as transformers' own bf16 does (up to 15% of the requests
+    fewer). A broken bf16 path diverges from the first tokens on most requests. The 95 % rule
+    runs on real weights below.
+
+    Both sides agree on about 75% of requests (flan_t5 on the CPU, 100 prompts: transformers
+    bf16 72, ours 78), so the difference of two such counts over n requests has a spread of
+    about sqrt(2 n 0.19): with 20 prompts a 3-request margin was 1.1 of it, and a correct
+    engine failed about one run in seven (ours 14 of 20 against 18 on the H200). 160 prompts
+    put the same 15% at 3 spreads."""
     path = request.getfixturevalue(family)
-    ref32 = _reference(path, torch.float32, family, 16)
-    ref16 = _reference(path, torch.bfloat16, family, 16)
+    ref32 = _reference(path, torch.float32, family, 16, BF16_PROMPTS)
+    ref16 = _reference(path, torch.bfloat16, family, 16, BF16_PROMPTS)
     with LLM(path, dtype="bfloat16", max_batch_size=16, kv_cache_config=KV) as llm:
         assert llm.engine.runner.graphs is not None          # decoder steps replay CUDA graphs
         outs = [o.outputs[0].token_ids for o in
-                llm.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)]
+                llm.generate(BF16_PROMPTS, SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)]
+    margin = round(0.15 * len(BF16_PROMPTS))
     ours_vs_32 = sum(o[:16] == r[:16] for o, r in zip(outs, ref32))
     hf_vs_32 = sum(h[:16] == r[:16] for h, r in zip(ref16, ref32))
-    assert ours_vs_32 >= hf_vs_32 - 3, f"ours {ours_vs_32}/{len(PROMPTS)} vs transformers bf16 {hf_vs_32}"
+    assert ours_vs_32 >= hf_vs_32 - margin, f"ours {ours_vs_32}/{len(BF16_PROMPTS)} vs transformers bf16 {hf_vs_32}"
     ours_first = sum(o[:1] == r[:1] for o, r in zip(outs, ref32))
     hf_first = sum(h[:1] == r[:1] for h, r in zip(ref16, ref32))
-    assert ours_first >= hf_first - 3, f"first tokens: ours {ours_first}/{len(PROMPTS)} vs transformers bf16 {hf_first}"
+    assert ours_first >= hf_first - margin, \
+        f"first tokens: ours {ours_first}/{len(BF16_PROMPTS)} vs transformers bf16 {hf_first}"
 
 
 def test_graphs_match_eager_in_bfloat16(flan_t5):
