@@ -164,6 +164,10 @@ class HttpTarget:
 _STEP_COUNTER_NAMES = {"enc2dec_engine_steps_total": "num_steps", "enc2dec_engine_step_rows_total": "num_rows",
                        "enc2dec_engine_step_seconds_total": "step_s",
                        "enc2dec_engine_device_wait_seconds_total": "device_wait_s"}
+# Also read when the server exports them (older servers do not).
+_REQUEST_COUNTER_NAMES = {"enc2dec_engine_requests_finished_total": "num_finished",
+                          "enc2dec_engine_first_token_seconds_total": "first_token_s",
+                          "enc2dec_engine_finish_seconds_total": "finish_s"}
 
 
 def parse_step_counters(text: str) -> dict | None:
@@ -171,10 +175,10 @@ def parse_step_counters(text: str) -> dict | None:
     out = {}
     for line in text.splitlines():
         name, _, value = line.partition(" ")
-        key = _STEP_COUNTER_NAMES.get(name)
+        key = _STEP_COUNTER_NAMES.get(name) or _REQUEST_COUNTER_NAMES.get(name)
         if key is not None:
             try:
                 out[key] = float(value.split()[0])
             except (ValueError, IndexError):
                 return None
-    return out if len(out) == len(_STEP_COUNTER_NAMES) else None
+    return out if all(k in out for k in _STEP_COUNTER_NAMES.values()) else None

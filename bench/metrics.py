@@ -102,6 +102,10 @@ class LevelMetrics:
     engine_step_ms: float | None = None              # mean time per step
     engine_rows_per_step: float | None = None        # mean decoder rows per step
     engine_device_wait_frac: float | None = None     # share of step time spent waiting for the device
+    # Mean times of the level's finished requests inside the engine (arrival = admission into the
+    # engine): against mean_ttft_ms / mean_e2e_ms, the time outside it (HTTP, API processes, client)
+    engine_ttft_ms: float | None = None
+    engine_e2e_ms: float | None = None
     errors: list[str] = field(default_factory=list)  # the first few distinct failure messages
     # Levels mixing request kinds (``--timestamps-every``): each kind's share, and the plain one's
     plain_out_tok_per_s: float | None = None
@@ -129,7 +133,8 @@ def metric_names() -> list[str]:
     return ["completed", "failed", "duration_s", "req_per_s", "out_tok_per_s", "total_tok_per_s",
             "input_tokens", "output_tokens", *flat, "audio_s", "rtf", "peak_gpu_mem_gib",
             "kv_self_blocks_peak", "kv_cross_blocks_peak", "num_preemptions", "plain_out_tok_per_s",
-            "engine_steps", "engine_step_ms", "engine_rows_per_step", "engine_device_wait_frac"]
+            "engine_steps", "engine_step_ms", "engine_rows_per_step", "engine_device_wait_frac",
+            "engine_ttft_ms", "engine_e2e_ms"]
 
 
 def step_extras(before: dict | None, after: dict | None) -> dict:
@@ -142,9 +147,15 @@ def step_extras(before: dict | None, after: dict | None) -> dict:
     steps = d.get("num_steps", 0)
     if len(d) < 4 or steps <= 0:
         return {}
-    return {"engine_steps": int(steps), "engine_step_ms": 1000.0 * d["step_s"] / steps,
-            "engine_rows_per_step": d["num_rows"] / steps,
-            "engine_device_wait_frac": d["device_wait_s"] / d["step_s"] if d["step_s"] > 0 else None}
+    out = {"engine_steps": int(steps), "engine_step_ms": 1000.0 * d["step_s"] / steps,
+           "engine_rows_per_step": d["num_rows"] / steps,
+           "engine_device_wait_frac": d["device_wait_s"] / d["step_s"] if d["step_s"] > 0 else None}
+    if all(k in before and k in after for k in ("num_finished", "first_token_s", "finish_s")):
+        done = after["num_finished"] - before["num_finished"]
+        if done > 0:
+            out["engine_ttft_ms"] = 1000.0 * (after["first_token_s"] - before["first_token_s"]) / done
+            out["engine_e2e_ms"] = 1000.0 * (after["finish_s"] - before["finish_s"]) / done
+    return out
 
 
 def _groups(ok: list[RequestRecord], duration_s: float) -> dict[str, dict] | None:

@@ -58,11 +58,12 @@ def results_table(levels: list[LevelMetrics], title: str) -> Table:
     has_kv = any(lv.kv_self_blocks_total for lv in levels)
     has_mem = any(lv.peak_gpu_mem_gib is not None for lv in levels)
     has_steps = any(lv.engine_steps for lv in levels)
+    has_engine_times = any(lv.engine_e2e_ms is not None for lv in levels)
     t = Table(title=title, title_justify="left")
     cols = ["backend", "C", "ok/fail", "req/s", "out tok/s", "total tok/s", "TTFT mean/p99", "TPOT mean",
             "ITL p50/p99", "E2E p50/p99"]
     cols += ["RTF"] * is_audio + ["KV peak self/cross"] * has_kv + ["GPU GiB"] * has_mem
-    cols += ["step ms / rows / wait"] * has_steps
+    cols += ["step ms / rows / wait"] * has_steps + ["in engine TTFT/E2E"] * has_engine_times
     for c in cols:
         t.add_column(c, justify="left" if c == "backend" else "right", no_wrap=True)
     for lv in levels:
@@ -77,6 +78,8 @@ def results_table(levels: list[LevelMetrics], title: str) -> Table:
             row.append(_f(lv.peak_gpu_mem_gib, 1))
         if has_steps:
             row.append(_step_cell(lv))
+        if has_engine_times:
+            row.append(f"{_f(lv.engine_ttft_ms)} / {_f(lv.engine_e2e_ms)}")
         t.add_row(*row, style="red" if lv.failed else None)
     t.caption = "latencies in ms; definitions in docs/bench.md"
     return t

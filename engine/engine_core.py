@@ -137,6 +137,12 @@ class StepCounters:
     num_encodes: int = 0          # requests encoded
     step_s: float = 0.0           # time inside step()
     device_wait_s: float = 0.0    # of which waiting for a launched step's results
+    # Requests that finished, and their times in the engine summed (arrival = make_request): set
+    # beside a client's own TTFT and latency they say how long a request spent outside the engine
+    # (a server's API processes, the wire, the client).
+    num_finished: int = 0
+    first_token_s: float = 0.0    # arrival to first token
+    finish_s: float = 0.0         # arrival to finish
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -353,6 +359,11 @@ class EngineCore:
             if rid in finished:
                 del live[rid]
                 m.finished_time = now
+                c = self.counters
+                c.num_finished += 1
+                c.finish_s += now - m.arrival_time
+                if m.first_token_time is not None:
+                    c.first_token_s += m.first_token_time - m.arrival_time
                 m.num_preemptions = req.num_preemptions
                 outputs.append(self._output(tracked, finished=True))
             elif tracked.streaming and req.beam is None:   # beams reorder: final output only

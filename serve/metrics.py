@@ -123,6 +123,11 @@ STEP_METRICS = {
     "step_s": ("enc2dec_engine_step_seconds_total", "Time the step loop spent in steps"),
     "device_wait_s": ("enc2dec_engine_device_wait_seconds_total", "Time the step loop waited for the "
                       "device's results (near the step time: the device bounds the loop; near 0: the host)"),
+    "num_finished": ("enc2dec_engine_requests_finished_total", "Requests the engine finished"),
+    "first_token_s": ("enc2dec_engine_first_token_seconds_total", "Arrival in the engine to first token, "
+                      "summed over finished requests"),
+    "finish_s": ("enc2dec_engine_finish_seconds_total", "Arrival in the engine to finish, summed over finished "
+                 "requests (a client's latency less this: the time a request spent outside the engine)"),
 }
 
 

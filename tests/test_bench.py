@@ -87,7 +87,10 @@ def test_t5_engine_and_hf_baseline(tiny_t5, tmp_path):
         assert ours["engine_steps"] > 0 and 0 < ours["engine_rows_per_step"] <= c
         assert ours["engine_steps"] * ours["engine_rows_per_step"] >= ours["output_tokens"]
         assert ours["engine_step_ms"] > 0 and 0 <= ours["engine_device_wait_frac"] <= 1
-        assert levels[("hf", c)]["engine_steps"] is None
+        # A request's time in the engine lies inside the time the client waited for it.
+        assert 0 < ours["engine_ttft_ms"] <= ours["mean_ttft_ms"]
+        assert ours["engine_ttft_ms"] <= ours["engine_e2e_ms"] <= ours["mean_e2e_ms"]
+        assert levels[("hf", c)]["engine_steps"] is None and levels[("hf", c)]["engine_e2e_ms"] is None
     assert {(x["concurrency"], x["baseline"]) for x in rep["ratios"]} == {(1, "hf"), (3, "hf")}
     ratio = rep["ratios"][0]
     assert ratio["out_tok_per_s"] == pytest.approx(levels[("enc2dec", 1)]["out_tok_per_s"] /

@@ -124,6 +124,8 @@ def test_models_health_version_and_metrics(server, client):
     assert m["enc2dec_engine_steps_total"] > 0 and m["enc2dec_engine_encodes_total"] >= 1
     assert m["enc2dec_engine_step_rows_total"] >= m["enc2dec_generation_tokens_total"]
     assert 0 <= m["enc2dec_engine_device_wait_seconds_total"] <= m["enc2dec_engine_step_seconds_total"]
+    assert m["enc2dec_engine_requests_finished_total"] >= 1
+    assert 0 < m["enc2dec_engine_first_token_seconds_total"] <= m["enc2dec_engine_finish_seconds_total"]
 
 
 def test_bench_url_reports_the_servers_engine_steps(server, tmp_path):
@@ -143,6 +145,9 @@ def test_bench_url_reports_the_servers_engine_steps(server, tmp_path):
     assert lv["completed"] == 4 and lv["output_tokens"] == 24
     assert lv["engine_steps"] > 0 and 0 < lv["engine_rows_per_step"] <= 2
     assert lv["engine_steps"] * lv["engine_rows_per_step"] >= lv["output_tokens"]
+    # The engine's own request times: inside what the client waited, the rest is HTTP and the API side.
+    assert 0 < lv["engine_ttft_ms"] <= lv["mean_ttft_ms"]
+    assert lv["engine_ttft_ms"] <= lv["engine_e2e_ms"] <= lv["mean_e2e_ms"]
 
 
 @pytest.mark.parametrize("body, status, param, needle", [
