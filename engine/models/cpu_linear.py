@@ -146,16 +146,11 @@ class FusedActCpuDenseMLP(DenseMLP):
             return super().forward(x)
         scalars, algo = ([None], "none") if act == "gelu" else ([], "")
         x2 = x.reshape(rows, x.shape[-1])
-        if rows <= MLP_CHUNK_ROWS or self.fc2.tp.size > 1:
-            h = torch.ops.mkldnn._linear_pointwise(x2, fc1.weight, fc1.bias, act, scalars, algo)   # [rows, d_ff / tp]
-            return self.fc2(h).view(*x.shape[:-1], -1)
-        out = x2.new_empty(rows, self.fc2.weight.shape[0])
-        for s in range(0, rows, MLP_CHUNK_ROWS):
-            h = torch.ops.mkldnn._linear_pointwise(x2[s:s + MLP_CHUNK_ROWS], fc1.weight, fc1.bias, act, scalars, algo)
-            if self.fc2.bias is None:
-                torch.mm(h, self.fc2.weight.t(), out=out[s:s + MLP_CHUNK_ROWS])
-            else:
-                torch.addmm(self.fc2.bias, h, self.fc2.weight.t(), out=out[s:s + MLP_CHUNK_ROWS])
+        # [rows, d_ff / tp] per chunk, fc2 (its own product, bias and all-reduce) over each
+        outs = [self.fc2(torch.ops.mkldnn._linear_pointwise(x2[s:s + MLP_CHUNK_ROWS], fc1.weight, fc1.bias, act,
+                                                            scalars, algo))
+                for s in range(0, rows, MLP_CHUNK_ROWS)]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out.view(*x.shape[:-1], -1)
 
 
