@@ -120,8 +120,6 @@ def main() -> None:
                     line.append(f"{be.name} {t * 1e3:.0f} us ({4 * b * n_pos * n_pos * d / t / 1e9:.0f} TF/s)")
                 except Exception as e:  # noqa: BLE001
                     line.append(f"{be.name} failed {type(e).__name__}")
-            with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
-                ref = F.scaled_dot_product_attention(q, k, v)
             print(f"sdpa B={b}: " + ", ".join(line), flush=True)
         # GEMMs of one layer at each batch
         for b in batches:
@@ -134,7 +132,6 @@ def main() -> None:
                 t = timed(lambda: F.linear(xi, w))
                 parts.append(f"{n_out}x{k_in} {t * 1e3:.0f}us/{2 * m * n_out * k_in / t / 1e9:.0f}TF")
             print(f"gemm M={m}: " + " ".join(parts), flush=True)
-    del ref
     llm.shutdown()
     if a.no_hf:
         return
