@@ -7,6 +7,7 @@ and malformed bodies. Afterwards nothing is in flight and both KV pools are empt
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import time
 
@@ -139,3 +140,21 @@ def test_bench_url_against_the_server(server, tmp_path):
         assert lv["output_tokens"] == 4 * 5           # usage.completion_tokens, exact with ignore_eos
         assert 4 * 4 <= lv["input_tokens"] <= 4 * 6     # usage.prompt_tokens of the rows sent
         assert lv["p50_ttft_ms"] <= lv["p99_e2e_ms"] and lv["out_tok_per_s"] > 0
+
+
+def test_a_ready_server_keeps_what_it_started_with_out_of_full_collections(t5_relu):
+    # The app, the front and the tokenizer live as long as the server: a full collection that
+    # scanned them (with torch, transformers and FastAPI) stalled every stream for ~100 ms.
+    srv = LiveServer(ServeConfig(model=t5_relu, served_model_names=(NAME,)), tiny_llm_factory(t5_relu)).start()
+    try:
+        r = httpx.post(srv.url + "/v1/completions", json={"model": NAME, "prompt": "hello world", "max_tokens": 4},
+                       timeout=30)
+        assert r.status_code == 200
+        long_lived = (srv.app, srv.front, srv.llm.tokenizer)
+        tracked = gc.get_objects()
+        assert not any(o is x for o in tracked for x in long_lived)
+    finally:
+        srv.stop()
+    # Stopped, they are the collector's again (a process that starts another server frees them).
+    tracked = gc.get_objects()
+    assert any(o is srv.app for o in tracked)
