@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import math
 import multiprocessing
 import os
@@ -49,6 +50,10 @@ def _shard(target_args: tuple, reqs: list[BenchRequest], concurrency: int, num_r
     global _loop, _target
     if _loop is None:
         _loop, _target = asyncio.new_event_loop(), HttpTarget(*target_args)
+        # What this process holds from now on (httpx, the workload) lives to its end: frozen, the
+        # collector's full passes skip it instead of stalling every stream of the shard mid-level.
+        gc.collect()
+        gc.freeze()
 
     async def run():
         delay = start_at - time.monotonic()

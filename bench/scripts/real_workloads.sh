@@ -213,15 +213,17 @@ def num(v, fmt="{:,.0f}"):
 
 # step: the engine's own mean step ms / decoder rows per step / share of step time waiting for the GPU
 print(f"\n{'run':<17}{'backend':<12}{'C':>4}{'out tok/s':>11}{'TPOT ms':>9}{'TTFT ms':>9}{'ITL p50/p99':>14}{'fail':>5}"
-      f"{'step ms/rows/wait':>20}")
+      f"{'step ms/rows/wait':>20}{'eng TTFT/E2E':>14}")
 for p in sorted(work.glob("*.json")):
     for lv in json.loads(p.read_text())["levels"]:
         itl = f"{num(lv.get('p50_itl_ms'), '{:.1f}')}/{num(lv.get('p99_itl_ms'), '{:.1f}')}"
         step = "-" if not lv.get("engine_steps") else (
             f"{lv['engine_step_ms']:.2f}/{lv['engine_rows_per_step']:.1f}/{num(lv.get('engine_device_wait_frac'), '{:.0%}')}")
+        # the engine's own mean arrival->first token / arrival->finish of the requests it finished
+        eng = "-" if lv.get("engine_e2e_ms") is None else f"{lv['engine_ttft_ms']:.0f}/{lv['engine_e2e_ms']:.0f}"
         print(f"{p.stem:<17}{lv['backend']:<12}{lv['concurrency']:>4}{num(lv['out_tok_per_s']):>11}"
               f"{num(lv['mean_tpot_ms'], '{:.2f}'):>9}{num(lv['mean_ttft_ms'], '{:.0f}'):>9}{itl:>14}{lv['failed']:>5}"
-              f"{step:>20}")
+              f"{step:>20}{eng:>14}")
 for name in sorted(skipped):
     print(f"{name:<14}skipped: the call's time budget was spent")
 
