@@ -79,7 +79,9 @@ while [ $# -gt 0 ]; do
     API_PROCS=${API_PROCS:-1}
     echo "py-spy record --subprocesses -- enc2dec serve google/flan-t5-large ... --api-processes $API_PROCS" >>"$OUT/commands.txt"
     # SPY_FLAGS=--gil: only the thread holding each process's GIL is sampled (who holds it, how long)
-    /tmp/spy/bin/py-spy record --subprocesses --nonblocking ${SPY_FLAGS:-} -r 97 -d ${SPY_S:-70} -f raw -o "$OUT/serve_spy.raw" -- \
+    # No -d shorter than the whole run: py-spy ends its child when the duration is up, and a fresh
+    # machine's start-up under py-spy took over 55 s. The recording ends when serve exits (pkill below).
+    /tmp/spy/bin/py-spy record --subprocesses --nonblocking ${SPY_FLAGS:-} -r 97 -d ${SPY_S:-600} -f raw -o "$OUT/serve_spy.raw" -- \
         python -m enc2dec.cli.main serve google/flan-t5-large --load-format dummy --dtype bfloat16 --max-batch-size 64 \
         --host 127.0.0.1 --port 8777 --log-level warning $( [ "$API_PROCS" -gt 1 ] && echo --api-processes $API_PROCS ) \
         >"$OUT/serve_spy.log" 2>&1 &
