@@ -75,3 +75,27 @@ def test_a_final_decode_that_rewrites_the_stream_is_flagged_and_given_whole():
     assert streamed == " w1 w2" and not detok.rewritten
     last = detok.finish(ids)
     assert detok.rewritten and last == detok.text == "w1 w2 w3 w4 w5"
+
+
+@pytest.mark.parametrize("family", ["flan_t5", "bart", "mbart", "whisper"])
+@pytest.mark.parametrize("skip", [True, False])
+def test_the_direct_decode_is_the_tokenizers_own_decode(family, skip, request):
+    # Streams decode through the Rust tokenizer directly where the class adds nothing to it:
+    # the text must be what tokenizer.decode gives, special tokens, odd ids and all.
+    import random
+
+    from transformers import AutoTokenizer
+
+    from enc2dec.engine.inputs.detokenizer import plain_decoder
+
+    tok = AutoTokenizer.from_pretrained(request.getfixturevalue(family))
+    decode = plain_decoder(tok, skip)
+    rng = random.Random(0)
+    special = sorted(tok.all_special_ids)
+    text_ids = tok.encode("Grüße aus Köln, the cat sat on the mat. 日本語!", add_special_tokens=False)
+    for _ in range(200):
+        ids = [rng.choice(special) if special and rng.random() < 0.2 else
+               rng.choice(text_ids) if rng.random() < 0.5 else rng.randrange(len(tok)) for _ in range(rng.randrange(1, 16))]
+        assert decode(ids) == tok.decode(ids, skip_special_tokens=skip), ids
+    # The families whose tokenizer class adds nothing take the direct call; Whisper's does not.
+    assert decode.func == (tok.backend_tokenizer.decode if family != "whisper" else tok.decode)

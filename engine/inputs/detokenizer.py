@@ -1,6 +1,30 @@
 """Incremental detokenization and stop-string matching for one sequence."""
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
+
+def plain_decoder(tokenizer, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+    """``ids -> tokenizer.decode(ids, skip_special_tokens=...)``, through the Rust tokenizer
+    directly where that is all ``decode`` does. A streamed sequence decodes every step, and
+    ``decode``'s argument handling costs 2.5-3x the decode itself (4.0 against 1.4 us for a T5
+    or BART window of 12 ids): with hundreds of streams that is a share of the host's step.
+    The direct call is taken only for a fast tokenizer whose class overrides neither
+    ``decode`` nor ``_decode`` (Whisper's does: timestamps, prompts) and that does no
+    clean-up of the decoded text; anything else goes through ``decode``."""
+    slow = functools.partial(tokenizer.decode, skip_special_tokens=skip_special_tokens)
+    try:
+        from transformers import PreTrainedTokenizerFast
+    except ImportError:
+        return slow
+    cls, backend = type(tokenizer), getattr(tokenizer, "backend_tokenizer", None)
+    if (backend is None or not isinstance(tokenizer, PreTrainedTokenizerFast)
+            or cls.decode is not PreTrainedTokenizerFast.decode or cls._decode is not PreTrainedTokenizerFast._decode
+            or getattr(tokenizer, "clean_up_tokenization_spaces", True)):
+        return slow
+    return functools.partial(backend.decode, skip_special_tokens=skip_special_tokens)
+
 
 class IncrementalDetokenizer:
     """Keeps the decoded text of a growing token list and finds stop strings.
@@ -18,6 +42,7 @@ class IncrementalDetokenizer:
                  include_stop_str_in_output: bool = False):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self._decode = plain_decoder(tokenizer, skip_special_tokens) if tokenizer is not None else None
         self.stop = stop or []
         self.include_stop = include_stop_str_in_output
         self.text = ""
@@ -42,9 +67,6 @@ class IncrementalDetokenizer:
         start of a stop string and can still be cut."""
         return self._emitted
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
-
     def update(self, token_ids: list[int]) -> str:
         """Feed the whole output token list; returns the new text (possibly empty)."""
         return self.add(token_ids[len(self._token_ids):])
@@ -57,7 +79,7 @@ class IncrementalDetokenizer:
         if self.tokenizer is None or self.stop_matched is not None or not new_token_ids:
             return ""
         prefix_text = self._prefix_text
-        full = self.tokenizer.decode(ids[self._prefix_offset:], skip_special_tokens=self.skip_special_tokens)
+        full = self._decode(ids[self._prefix_offset:])
         if not full.startswith(prefix_text) or full.endswith("\ufffd"):
             return ""
         delta = full[len(prefix_text):]
