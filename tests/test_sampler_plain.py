@@ -56,3 +56,22 @@ def test_logprobs_and_sampling_rows_are_not_plain():
 
 def test_a_tensor_parallel_workers_rows_take_the_general_path():
     assert not all_plain_greedy([state(), None])
+
+
+@pytest.mark.parametrize("case", ["ties", "nan", "all_masked", "view"])
+def test_greedy_choice_is_torch_argmax(case):
+    # greedy() takes max's indices for speed; it must pick what argmax picks: the first of tied
+    # ids (Whisper's masks leave many -inf), a NaN's index, 0 for a row masked whole.
+    from enc2dec.engine.runner.sampler import greedy
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(-2, 3, (5, 51864), generator=g).float()
+    if case == "nan":
+        x[1, [7, 90, 40000]] = float("nan")
+    elif case == "all_masked":
+        x[2] = float("-inf")
+        x[3, :100] = float("-inf")
+        x[3, 100:] = -1e30
+    elif case == "view":
+        x = x[:, 3:-2]                         # a non-contiguous, odd-width view
+    assert torch.equal(greedy(x), x.argmax(dim=-1))

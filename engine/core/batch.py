@@ -15,7 +15,7 @@ class ScheduledEncode:
     """A request admitted this step: encode it and write its cross K/V."""
 
     request_id: str
-    encoder_input: Any            # list[int] token ids, or a [n_mels, frames] feature tensor
+    encoder_input: Any            # list[int] token ids, or a Whisper clip (raw wave or [n_mels, frames] features)
     encoder_len: int              # positions written to the cross pool
     cross_block_ids: list[int]    # cross-pool blocks, ceil(encoder_len / tokens_per_block)
     sampling_params: Any = None   # SamplingParams; the runner keeps it until the request ends

@@ -85,7 +85,7 @@ class InputProcessor:
         self.max_input_len = max_input_len
         self.max_seq_len = max_seq_len
         self.feature_extractor = feature_extractor
-        self.log_mel = log_mel      # set on GPU: audio stays raw until the runner's batched log-mel
+        self.log_mel = log_mel      # set by the engine: audio stays raw until the runner's log-mel
         self.is_whisper = hf_config.model_type == "whisper"
         self.vocab_size = hf_config.vocab_size
         g = generation_config
@@ -269,7 +269,8 @@ class InputProcessor:
         if len(wave) == 0:
             raise ValueError("the audio clip is empty")
         if self.log_mel is not None:
-            # The runner computes features on the GPU for the whole microbatch.
+            # The runner computes the features (on the GPU for the whole microbatch; on the CPU on
+            # the engine thread, log_mel.ExtractorLogMel says why).
             encoder_input = self.log_mel.pad(wave)                                    # [n_samples]
         else:
             encoder_input = fe(wave, sampling_rate=rate, return_tensors="np").input_features[0]  # [n_mels, 3000]

@@ -165,10 +165,11 @@ class ModelRunner:
         tuning = args.tuning
         self.backend = get_attention_backend(attn_backend, min_keys_per_split=tuning.attn_min_keys_per_split)
         self.log_mel = None
-        if self.is_whisper and device.type == "cuda" and feature_extractor is not None:
-            from enc2dec.engine.whisper.log_mel import LogMel
+        if self.is_whisper and feature_extractor is not None:
+            from enc2dec.engine.whisper.log_mel import ExtractorLogMel, LogMel
 
-            self.log_mel = LogMel(feature_extractor, device)
+            self.log_mel = LogMel(feature_extractor, device) if device.type == "cuda" else \
+                ExtractorLogMel(feature_extractor)
         self.model = load_model(model_path, hf_config, self.backend, dtype, device, args.load_format, tp)
         # The GPU kernels, applied from outside the model (before any graph captures it).
         if device.type == "cuda":

@@ -32,6 +32,14 @@ def _neg_inf(device: torch.device) -> torch.Tensor:
     return torch.full((), float("-inf"), device=device)     # a fill kernel: torch.tensor() would copy and wait
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's likeliest id, the first on a tie (and a NaN's, as argmax). ``max``'s indices, not
+    ``argmax``: the same choice, but the CPU's argmax kernel is scalar (over Whisper's 51,864 ids
+    at one row, 2 cores: 72 us against 26 us)."""
+    # logits: [S, V] -> [S] int64
+    return logits.max(dim=-1).indices
+
+
 @dataclass
 class SeqSamplingState:
     params: SamplingParams
@@ -411,9 +419,9 @@ class Sampler:
         batch = self.batch(states)
         if not beam_groups and batch.simple:        # the common step: only the choice
             if not batch.drawing:
-                return DeviceSample(logits.argmax(dim=-1), batch.no_logprobs)
+                return DeviceSample(greedy(logits), batch.no_logprobs)
             # A batch that only draws needs no argmax: every row is overwritten by its draw.
-            chosen = logits.argmax(dim=-1) if len(batch.drawing) < len(states) else None     # [S]
+            chosen = greedy(logits) if len(batch.drawing) < len(states) else None     # [S]
             return DeviceSample(self._sample(logits, chosen, batch, num_output_tokens), batch.no_logprobs)
         histories = histories if histories is not None else [None] * len(states)
         beams = None
@@ -459,7 +467,7 @@ class Sampler:
         if processed:
             logits = _apply_logits_processors(logits, states, num_output_tokens, processed, histories,
                                               owned=logits is not model_logits)
-        chosen = logits.argmax(dim=-1)                                      # [S]
+        chosen = greedy(logits)                                             # [S]
         if batch.drawing:                                                   # beams: no RNG
             chosen = self._sample(logits, chosen, batch, num_output_tokens)
         if recorded:

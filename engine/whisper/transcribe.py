@@ -165,9 +165,10 @@ class _Run:
         self.task, self.strategy, self.timestamps = task, strategy, timestamps
         self.progress = progress
         self.request_slots = asyncio.Semaphore(batch_size)
-        # Requests are made (the log-mel features computed, with torch) on one thread of their own:
-        # every thread that runs torch's CPU ops keeps an OpenMP pool, and more pools than cores
-        # make the engine thread's workers sleep between parallel regions (cpu_threads.py).
+        # Requests are made (audio padded, prompts checked) on one thread of their own, off the event
+        # loop, with no torch work: the runner computes the features on the engine thread, as a
+        # thread that runs torch's CPU ops keeps an OpenMP pool, and more pools than cores make the
+        # engine thread's workers sleep between parallel regions (cpu_threads.py).
         self.submitter = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="enc2dec-submit")
         self.file_slots = asyncio.Semaphore(batch_size)
         self._advanced: dict[int, float] = {}      # id(Transcript) -> audio seconds reported so far
