@@ -91,3 +91,38 @@ def test_beam_candidates_with_batched_rules_equal_the_row_by_row_rules():
     forced = [(parent, t) for parent, t, score, _ in out[2] if score > float("-inf")]
     assert sorted(forced) == [(0, FORCED[0]), (1, FORCED[1])]       # forced: each beam's one finite candidate
     assert 8 not in [t for parent, t, *_ in out[0] if parent == 0]   # the custom processor still runs
+
+
+def _plain_beam_state() -> SeqSamplingState:
+    return SeqSamplingState(SamplingParams(max_tokens=40, use_beam_search=True, best_of=4), (EOT,), ())
+
+
+def _reference_candidates(logits, groups, scores):
+    """Each group's best continuations over its own beams only, computed group by group."""
+    logp = logits.float().log_softmax(dim=-1)
+    out = []
+    for g in groups:
+        rows = slice(g.start, g.start + g.num_rows)
+        flat = (logp[rows] + torch.tensor(scores[rows], dtype=torch.float32)[:, None]).reshape(-1)
+        top, idx = flat.topk(g.num_keep)
+        out.append((top, idx // VOCAB, idx % VOCAB, logp[rows].reshape(-1)[idx]))
+    return out
+
+
+def test_candidates_of_groups_at_full_width_and_of_a_narrower_group_are_each_groups_own_best():
+    # Full width: the rows are read in place; a narrower group: padded with beams of -inf. Both
+    # must give every group exactly its own best continuations, none from a neighbour's rows.
+    logits = torch.randn(12, VOCAB, generator=torch.Generator().manual_seed(7)) * 3
+    for widths in ([4, 4, 4], [4, 2, 4]):
+        groups, start = [], 0
+        for w in widths:
+            groups.append(BeamGroup(start, w, 8))
+            start += w
+        scores = (-torch.rand(start, generator=torch.Generator().manual_seed(8)) * 2).tolist()
+        states = [_plain_beam_state() for _ in range(start)]
+        got = _beam_candidates(logits[:start], states, [3] * start, groups, scores, [[1, 2, 3]] * start)
+        for gi, (top, parents, tokens, lps) in enumerate(_reference_candidates(logits[:start], groups, scores)):
+            assert torch.equal(got.token_ids[gi], tokens), widths
+            assert torch.equal(got.parent_rows[gi], parents), widths
+            assert torch.allclose(got.cumulative_logprobs[gi], top), widths
+            assert torch.equal(got.logprobs[gi], lps), widths
