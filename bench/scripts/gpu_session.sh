@@ -5,6 +5,10 @@
 #   bash bench/scripts/gpu_session.sh stage 2          # carry .m2 (the next call, straight after)
 #   bash bench/scripts/gpu_session.sh stage 3 fp8acc   # carry .m3 .speech .whl: assemble, FP8-KV accuracy
 #   bash bench/scripts/gpu_session.sh tests            # pytest -m gpu
+#   bash bench/scripts/gpu_session.sh carry longform openai/whisper-large-v3-turbo
+#                                       # carry .carryN (parts of carry_real.py pack, speech/, whl/):
+#                                       # longform_rtf.py on 8 ten-minute files; /tmp/real/whisper-base
+#                                       # once every part has come: WER of both peers
 #   bash bench/scripts/gpu_session.sh profile          # greedy vs sampled step, flan-t5-large C=64
 #   bash bench/scripts/gpu_session.sh apiside          # serve_overhead.py (CPU side of serve, idle cores)
 #   bash bench/scripts/gpu_session.sh serveprof        # carry .whl .prof: py-spy over serve + 4 bench clients
@@ -50,6 +54,20 @@ while [ $# -gt 0 ]; do
     echo "python bench/scripts/fp8_kv_accuracy.py --model /tmp/wb16/whisper-base --speech-dir .speech" >>"$OUT/commands.txt"
     timeout 400 python bench/scripts/fp8_kv_accuracy.py --model /tmp/wb16/whisper-base --speech-dir .speech \
         --report-json "$OUT/fp8_kv_accuracy.json" 2>&1 | tail -25 | tee "$OUT/fp8_kv_accuracy.txt" ;;
+  carry)       # .carry*/ (carry_real.py parts, speech/, whl/): kept in /tmp/carry across warm calls
+    mkdir -p /tmp/carry && cp -r "$REPO"/.carry*/. /tmp/carry/ 2>/dev/null
+    ls /tmp/carry/whl/*.whl >/dev/null 2>&1 && python -m pip install -q --no-index --no-deps --no-compile \
+        --no-cache-dir --upgrade --target /tmp/site /tmp/carry/whl/*.whl
+    python bench/scripts/carry_real.py unpack /tmp/carry /tmp/real 2>&1 | tail -2
+    [ -d /tmp/carry/speech ] && mkdir -p /tmp/real && cp -r /tmp/carry/speech /tmp/real/ ;;
+  longform)    # longform_rtf.py on 8 ten-minute files: $2 a known name (random weights) or a folder
+    setup
+    name=$(basename "$2")
+    echo "python bench/scripts/longform_rtf.py --speech-dir /tmp/real/speech --model $2 --files 8" >>"$OUT/commands.txt"
+    nvidia-smi --query-gpu=name --format=csv,noheader | tee -a "$OUT/longform-$name.txt"
+    timeout ${LONGFORM_S:-560} python bench/scripts/longform_rtf.py --speech-dir /tmp/real/speech --model "$2" --files 8 \
+        2>&1 | grep -v -i "warn\|max_new_tokens" | tee -a "$OUT/longform-$name.txt" | tail -6
+    shift ;;
   tests)
     setup
     echo "python -m pytest -m gpu -q tests/" >>"$OUT/commands.txt"

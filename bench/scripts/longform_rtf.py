@@ -15,7 +15,9 @@ Models: each ``--model`` is a known name built with random weights (openai/whisp
 -turbo by default, from engine/inputs/known_configs.py as ``enc2dec bench --load-format dummy``
 builds them, seeded) or a checkpoint folder. A random model is saved once (with a stand-in
 tokenizer of the real special-token layout: there are no files and no hub here) and both peers
-load that folder, so both run the SAME weights:
+load that folder, so both run the SAME weights. A checkpoint folder's transcripts are also
+scored: WER of each peer over all files against the clips' texts, after Whisper's English
+normaliser (needs jiwer):
 
 - enc2dec: one LLM, ``transcribe()`` over all files at once as ``enc2dec transcribe`` does
   (default strategy, timestamps, language en on multilingual checkpoints, batch 32);
@@ -63,14 +65,16 @@ def _read_wav(path: Path) -> np.ndarray:
         return np.frombuffer(w.readframes(w.getnframes()), "<i2").astype(np.float32) / 32768.0
 
 
-def compose(speech_dir: Path, num_files: int, minutes: float, seed: int = 0) -> list[np.ndarray]:
+def compose(speech_dir: Path, num_files: int, minutes: float, seed: int = 0) -> tuple[list[np.ndarray], list[str]]:
+    """The files and their reference texts (the manifest's text of every clip that fits whole; a
+    clip the length cuts is left out of both, its place silent)."""
     rows = [json.loads(line) for line in open(speech_dir / "manifest.jsonl") if line.strip()]
     clips = [_read_wav(speech_dir / row["audio"]) for row in rows]
     target = int(minutes * 60 * SR)
-    files = []
+    files, refs = [], []
     for k in range(num_files):
         rng = random.Random(seed * 1000 + k)
-        parts, size, next_gap = [], 0, 60 * SR
+        parts, texts, size, next_gap = [], [], 0, 60 * SR
         while size < target:
             order = list(range(len(clips)))
             rng.shuffle(order)
@@ -78,10 +82,24 @@ def compose(speech_dir: Path, num_files: int, minutes: float, seed: int = 0) -> 
                 pause = rng.uniform(0.3, 1.2)
                 if size >= next_gap:
                     pause, next_gap = rng.uniform(2.0, 6.0), next_gap + 60 * SR
-                parts += [clips[i], np.zeros(int(pause * SR), np.float32)]
+                whole = size + len(clips[i]) <= target
+                parts += [clips[i] if whole else np.zeros_like(clips[i]), np.zeros(int(pause * SR), np.float32)]
+                texts += [rows[i]["text"]] if whole else []
                 size += len(clips[i]) + int(pause * SR)
         files.append(np.concatenate(parts)[:target])
-    return files
+        refs.append(" ".join(texts))
+    return files, refs
+
+
+def word_error_rate(folder: str, refs: list[str], hyps: list[str]) -> float:
+    """WER over all files together after Whisper's English normaliser (the checkpoint's spelling
+    map when it has one), as bench/scripts/longform_wer.py scores."""
+    import jiwer
+    from transformers.models.whisper.english_normalizer import EnglishTextNormalizer
+
+    spelling = Path(folder) / "normalizer.json"
+    norm = EnglishTextNormalizer(json.load(open(spelling)) if spelling.exists() else {})
+    return jiwer.wer([norm(r) for r in refs], [norm(h) or "<empty>" for h in hyps])
 
 
 # ---- one model folder both peers load ------------------------------------------------------------
@@ -160,6 +178,7 @@ class Run:
     num_windows: int
     num_tokens: int
     note: str = ""
+    texts: tuple[str, ...] = ()
 
     @property
     def rtf(self) -> float:
@@ -182,7 +201,8 @@ def run_enc2dec(folder: str, files: list[np.ndarray], dtype: str, device: str, l
     if failed:
         raise SystemExit(f"enc2dec failed: {failed[0]}")
     return Run(f"enc2dec {DEFAULT_STRATEGY}", audio_s, wall_s, sum(t.num_windows for t in results),
-               sum(t.num_tokens for t in results), f"{sum(len(t.segments) for t in results)} segments")
+               sum(t.num_tokens for t in results), f"{sum(len(t.segments) for t in results)} segments",
+               tuple(t.text for t in results))
 
 
 def run_pipeline(folder: str, files: list[np.ndarray], dtype, device: str, language: str | None,
@@ -228,7 +248,8 @@ def run_pipeline(folder: str, files: list[np.ndarray], dtype, device: str, langu
     wall_s = time.perf_counter() - t0
     num_chunks = sum(len(o.get("chunks") or []) for o in outs)
     del pipe, model
-    return Run("transformers pipeline", audio_s, wall_s, counts["rows"], counts["tokens"], f"{num_chunks} segments")
+    return Run("transformers pipeline", audio_s, wall_s, counts["rows"], counts["tokens"], f"{num_chunks} segments",
+               tuple(o["text"] for o in outs))
 
 
 def _sync(device: str) -> None:
@@ -272,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     dtype_name = a.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[dtype_name]
     peers = [p.strip() for p in a.peers.split(",") if p.strip()]
-    files = compose(Path(os.path.expanduser(a.speech_dir)), a.files, a.minutes)[:a.max_files]
+    files, refs = compose(Path(os.path.expanduser(a.speech_dir)), a.files, a.minutes)
+    files, refs = files[:a.max_files], refs[:a.max_files]
     work_dir = Path(a.work_dir)
     print(f"{len(files)} files x {a.minutes:g} min ({sum(map(len, files)) / SR:.0f} s of audio), {device}, "
           f"{dtype_name}, torch {torch.__version__}", flush=True)
@@ -289,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
             _free(device)
         for r in runs.values():
             per_window = r.num_tokens / max(1, r.num_windows)
+            if not is_random:       # a real checkpoint: its words can be scored
+                r.note += f", WER {word_error_rate(folder, refs, list(r.texts)):.2%}"
             print(f"  {r.peer:<22} RTF {r.rtf:8.1f}  wall {r.wall_s:7.1f} s  windows {r.num_windows:4d}  "
                   f"tokens/window {per_window:6.1f}  ({r.note})", flush=True)
         if len(runs) == 2:
@@ -296,11 +320,11 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((model, is_random, runs))
         if is_random and not a.keep_models:
             shutil.rmtree(folder, ignore_errors=True)
-    print("\nmodel | weights | peer | RTF | wall s | windows | tokens/window")
+    print("\nmodel | weights | peer | RTF | wall s | windows | tokens/window | note")
     for model, is_random, runs in rows:
         for r in runs.values():
             print(f"{model} | {'random' if is_random else 'checkpoint'} | {r.peer} | {r.rtf:.1f} | {r.wall_s:.1f} | "
-                  f"{r.num_windows} | {r.num_tokens / max(1, r.num_windows):.1f}")
+                  f"{r.num_windows} | {r.num_tokens / max(1, r.num_windows):.1f} | {r.note}")
     return 0
 
 
