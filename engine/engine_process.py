@@ -732,6 +732,9 @@ class ProcessLLM:
                 self._handles.pop(h.request_id, None)
                 self._streams.pop(h.request_id, None)
 
+    def _release_caller_pool(self) -> None:
+        """Nothing to free: OpenMP throttles the pools of one process, and the engine's is in another."""
+
     def _abort(self, request_id: str) -> None:
         try:
             self._send(("abort", request_id))

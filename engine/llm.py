@@ -16,6 +16,7 @@ from typing import Any, Iterable
 from enc2dec.engine.config import LlmArgs
 from enc2dec.engine.engine_core import EngineCore
 from enc2dec.engine.outputs import RequestOutput
+from enc2dec.engine.runner.cpu_threads import release_thread_pool
 from enc2dec.engine.sampling_params import SamplingParams
 
 
@@ -52,6 +53,8 @@ class RequestHandle:
         return self._final is not None
 
     def result(self, timeout: float | None = None) -> RequestOutput:
+        if self._final is None:
+            self._llm._release_caller_pool()
         with self._cond:
             if not self._cond.wait_for(lambda: self._final is not None, timeout):
                 raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s")
@@ -126,6 +129,7 @@ class LLM:
     def __init__(self, model: str, tokenizer: Any = None, **kwargs):
         self.args = kwargs.pop("_args", None) or LlmArgs.from_dict(kwargs, model=str(model), tokenizer=tokenizer)
         self._core = EngineCore(self.args)
+        self._cpu = self._core.device.type == "cpu"
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._handles: dict[str, RequestHandle] = {}
         self._wake = threading.Event()
@@ -192,6 +196,7 @@ class LLM:
     def generate(self, inputs, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True):
         single, prompts, params = batch_of(inputs, sampling_params)
+        self._release_caller_pool()
         tracked = []
         for i, (p, sp) in enumerate(zip(prompts, params)):     # validate all before running any
             try:
@@ -244,6 +249,14 @@ class LLM:
             pass
 
     # ---- engine thread ----------------------------------------------------------------------
+    def _release_caller_pool(self) -> None:
+        """Before the calling thread blocks on the engine: on the CPU, free the OpenMP pool it may
+        hold, which would throttle the engine thread's (cpu_threads.py). Not on the way in of
+        ``generate_async``: a caller that goes on working meanwhile (a server, a streaming
+        client) may need its cores, and a pool it rebuilds each time would cost more."""
+        if self._cpu:
+            release_thread_pool()
+
     def _submit(self, tracked) -> RequestHandle:
         if self._stop:
             raise RuntimeError("the LLM has been shut down")
