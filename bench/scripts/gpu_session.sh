@@ -9,6 +9,15 @@
 #                                       # carry .carryN (parts of carry_real.py pack, speech/, whl/):
 #                                       # longform_rtf.py on 8 ten-minute files; /tmp/real/whisper-base
 #                                       # once every part has come: WER of both peers
+#
+# Issue 18's remaining GPU rows in four back-to-back calls (a machine idle for 30 s goes back bare):
+#   pack: carry_real.py pack ~/.cache/enc2dec-real whisper-base /tmp/basepk --piece-mb 37, one part
+#   (and the .count) in each of .carry1-4; .carry1/whl: soundfile, cffi, pycparser, jiwer, rapidfuzz
+#   and .carry1/speech; .carry2/whl: silero-vad (each call's carry stays under 64 MiB with the tree)
+#   A (.carry1):        carry tests                                          ~300 s
+#   B (.carry2):        carry longform openai/whisper-large-v3               ~500 s (LONGFORM_S=560)
+#   C (.carry3 .whl):   carry, then the serve/in-process runs of the call
+#   D (.carry4):        carry longform /tmp/real/whisper-base                real weights: WER of both
 #   bash bench/scripts/gpu_session.sh profile          # greedy vs sampled step, flan-t5-large C=64
 #   bash bench/scripts/gpu_session.sh apiside          # serve_overhead.py (CPU side of serve, idle cores)
 #   bash bench/scripts/gpu_session.sh serveprof        # carry .whl .prof: py-spy over serve + 4 bench clients
