@@ -248,7 +248,7 @@ class LLM:
         except Exception:  # noqa: BLE001 - interpreter teardown
             pass
 
-    # ---- engine thread ----------------------------------------------------------------------
+    # ---- the caller's thread ----------------------------------------------------------------
     def _release_caller_pool(self) -> None:
         """Before the calling thread blocks on the engine: on the CPU, free the OpenMP pool it may
         hold, which would throttle the engine thread's (cpu_threads.py). Not on the way in of
@@ -257,6 +257,7 @@ class LLM:
         if self._cpu:
             release_thread_pool()
 
+    # ---- engine thread ----------------------------------------------------------------------
     def _submit(self, tracked) -> RequestHandle:
         if self._stop:
             raise RuntimeError("the LLM has been shut down")

@@ -58,13 +58,13 @@ def test_release_frees_the_calling_threads_workers_and_torch_works_after():
 
 
 @needs_pools
-def test_release_finds_torchs_libgomp_when_another_wheels_copy_was_loaded_first(monkeypatch):
+def test_release_finds_torchs_libgomp_when_another_wheels_copy_was_loaded_first():
     # sentencepiece (the T5 tokenizers) ships its own libgomp; pausing that one frees nothing of torch's
     sentencepiece = pytest.importorskip("sentencepiece")
     sentencepiece.SentencePieceProcessor()
     from enc2dec.engine.runner import cpu_threads
 
-    monkeypatch.setattr(cpu_threads, "_pause_all", False)       # look the runtime up again, now
+    cpu_threads._find_pause.cache_clear()                     # look the runtime up again, now
     workers = _pool_of_this_thread()
     release_thread_pool()
     assert not workers & _threads()

@@ -15,12 +15,14 @@ audio, a transformers baseline, anything parallel) still holds a pool for the re
 thread's pool), and the CPU engine calls it on a caller's thread that is about to block on it
 (``LLM.generate``, ``RequestHandle.result``): measured 2026-12-05 on 2 cores, a flan-t5-small
 decode step took 16.4 ms on the engine thread after the caller had run one parallel op, 9.7-10.2
-ms when it had not or had released its pool. A caller that runs torch work *while* the engine steps still brings the throttling back
-for that time: two pools are then busy at once, which is libgomp's rule.
+ms when it had not or had released its pool. A caller that runs torch work *while* the engine
+steps still brings the throttling back for that time: two pools are then busy at once, which is
+libgomp's rule.
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import threading
 from typing import Callable, TypeVar
@@ -28,9 +30,9 @@ from typing import Callable, TypeVar
 T = TypeVar("T")
 
 _OMP_PAUSE_SOFT = 1     # omp_pause_soft: free the pool's threads, keep the runtime
-_pause_all: Callable[[int], int] | None | bool = False      # False: not looked up yet
 
 
+@functools.lru_cache(maxsize=1)
 def _find_pause() -> Callable[[int], int] | None:
     """``omp_pause_resource_all`` of the libgomp torch runs on, found among the loaded libraries
     (/proc/self/maps): the copy inside torch's package (its wheels bundle one), else a system one
@@ -61,11 +63,9 @@ def release_thread_pool() -> None:
     """Free the calling thread's OpenMP worker pool if it has one (about 0.2 ms; 1 us when it has
     none), so that it no longer counts against the engine thread's pool. Torch work on this
     thread later builds a new one. A no-op where the runtime is not libgomp."""
-    global _pause_all
-    if _pause_all is False:
-        _pause_all = _find_pause()
-    if _pause_all is not None:
-        _pause_all(_OMP_PAUSE_SOFT)
+    pause_all = _find_pause()
+    if pause_all is not None:
+        pause_all(_OMP_PAUSE_SOFT)
 
 
 def on_fresh_thread(fn: Callable[[], T]) -> T:
