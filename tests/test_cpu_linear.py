@@ -11,7 +11,15 @@ pytestmark = pytest.mark.skipif(not cpu_linear.packed_cpu_linear_available(torch
                                 reason="this torch has no MKL packed sgemm")
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9])
+def _pack_key(rows: int) -> int | None:
+    """The pack a product of ``rows`` rows goes through: its own count for 2-8 rows, the next
+    bucket up to the last one, none past it or for one row."""
+    if cpu_linear.MIN_ROWS <= rows <= cpu_linear.MAX_ROWS:
+        return rows
+    return next((b for b in cpu_linear.BUCKET_ROWS if cpu_linear.MAX_ROWS < rows <= b), None)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 16, 23, 32, 40, 64, 65])
 def test_matches_f_linear_before_and_after_packing(rows):
     g = torch.Generator().manual_seed(rows)
     weight, bias = torch.randn(67, 45, generator=g), torch.randn(67, generator=g)
@@ -19,7 +27,27 @@ def test_matches_f_linear_before_and_after_packing(rows):
     for _ in range(PACK_AFTER_CALLS + 2):
         x = torch.randn(rows, 45, generator=g)
         torch.testing.assert_close(packed_linear(packs, x, weight, bias), F.linear(x, weight, bias))
-    assert (rows in packs) == (cpu_linear.MIN_ROWS <= rows <= cpu_linear.MAX_ROWS)
+    assert set(packs) - {"seen"} == ({_pack_key(rows)} - {None})
+
+
+def test_a_bucket_pads_short_batches_without_changing_any_row():
+    """Encoder batches of 9-64 rows share a bucket's pack: every count gives F.linear's product
+    to rounding, keeps its leading dims, and a row's output does not depend on how many rows
+    were padded beside it (a prompt's encoding is the same whatever its batch)."""
+    g = torch.Generator().manual_seed(1)
+    weight, bias = torch.randn(40, 24, generator=g), torch.randn(40, generator=g)
+    probe = torch.randn(1, 24, generator=g)
+    packs, alone = {}, {}
+    for rows in list(range(9, 40)) * cpu_linear.BUCKET_PACK_AFTER_CALLS:
+        x = torch.cat([probe, torch.randn(rows - 1, 24, generator=g)])
+        got = packed_linear(packs, x.view(1, rows, 24), weight, bias)
+        assert got.shape == (1, rows, 40)
+        torch.testing.assert_close(got[0], F.linear(x, weight, bias))
+        m = _pack_key(rows)
+        if m in packs:
+            assert torch.equal(got[0, 0], alone.setdefault(m, got[0, 0]))
+    assert set(packs) - {"seen"} == {16, 32}          # MAX_PACKS: the first two buckets reached
+    assert set(alone) == {16, 32}
 
 
 def test_packs_at_most_max_packs_row_counts():

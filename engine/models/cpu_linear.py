@@ -4,13 +4,19 @@ A decode step of C sequences multiplies C rows by every weight matrix. At 2-8 ro
 ordinary sgemm runs far below the rate at which the weights can be read; with the weight
 packed once into MKL's internal layout (``cblas_sgemm_pack``, what inductor's CPU freezing
 uses) the same product takes ~0.7x the time (flan-t5-small's decoder linears at 4 rows, 2 cores:
-10.6 -> 7.6 ms per step). One row (a GEMV) and encoder batches gain nothing, so they keep
+10.6 -> 7.6 ms per step). Short encoder batches gain too: a T5 prompt of 32 tokens is a
+32-row product in every encoder linear, where ordinary sgemm spends most of its call packing
+the weight (flan-t5-small's [32, 512] x [512, 2048]: 403 us, packed 246 us). One row (a GEMV)
+and long batches gain nothing (at 96 rows and over the ordinary call is as fast), so they keep
 ``F.linear``.
 
 A packed weight serves one row count only (MKL's packed compute takes the m it was packed
 for; ``torch.ops.mkl._mkl_linear`` falls back to ``F.linear`` for any other). So each layer
 packs lazily, per row count, for at most ``MAX_PACKS`` counts; each pack costs the weight's
-size in memory. The products agree with ``F.linear`` to float32 rounding, not bit for bit.
+size in memory. Steps of 2-8 rows take a pack of their own count; 9-64 rows are padded up to
+a bucket (``BUCKET_ROWS``), so that prompts of many lengths share a few packs (each output row
+depends on its own input row only, so padding cannot change a real row). The products agree
+with ``F.linear`` to float32 rounding, not bit for bit.
 """
 from __future__ import annotations
 
@@ -24,14 +30,23 @@ from enc2dec.engine.models.layers import DenseMLP, MergedLinear, RowParallelLine
 
 logger = logging.getLogger("enc2dec")
 
-# Row counts that take the packed product (decode steps of 2-8 sequences).
+# Row counts that take the packed product of their own count (decode steps of 2-8 sequences).
 MIN_ROWS, MAX_ROWS = 2, 8
+# Larger counts up to the last bucket are padded up to the next bucket's pack. Measured on 2
+# cores (flan-t5-small's shapes, us per product, F.linear against the bucket's pack): [r, 512] x
+# [512, 2048] at 12 / 24 / 32 / 48 / 64 rows 255 / 348 / 403 / 488 / 525 against 157 / 255 /
+# 246 / 408 / 389; [r, 1024] x [1024, 512] 88 / 228 / 242 / 290 / 260 against 92 / 140 / 120 /
+# 234 / 200. At 96 rows F.linear wins (622 against two 64-row packs' 845).
+BUCKET_ROWS = (16, 32, 64)
 # Distinct row counts packed per layer; further ones keep F.linear rather than repacking.
 MAX_PACKS = 2
 # A row count packs on its this-many-th call: packing a layer costs about as much as one
 # product with a fresh copy of the weight (a whisper-base run paid ~0.7 s packing on its first
 # pass), so the row counts of a few tail steps never pay it.
 PACK_AFTER_CALLS = 16
+# A bucket packs sooner: encoder layers see one call per encode, and a bucket gathers the
+# prompts of 16-32 lengths, so its second call is the sign of a workload that repeats it.
+BUCKET_PACK_AFTER_CALLS = 2
 
 
 def packed_linear(packs: dict, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -39,16 +54,25 @@ def packed_linear(packs: dict, x: torch.Tensor, weight: torch.Tensor, bias: torc
     ``"seen"``: calls per row count not packed yet)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     # The packed op has no autograd: weights that train keep F.linear.
-    if not MIN_ROWS <= rows <= MAX_ROWS or x.dtype != torch.float32 or weight.requires_grad:
+    if not MIN_ROWS <= rows <= BUCKET_ROWS[-1] or x.dtype != torch.float32 or weight.requires_grad:
         return F.linear(x, weight, bias)
-    packed = packs.get(rows)
+    if rows <= MAX_ROWS:
+        m, after = rows, PACK_AFTER_CALLS
+    else:
+        m, after = next(b for b in BUCKET_ROWS if rows <= b), BUCKET_PACK_AFTER_CALLS
+    packed = packs.get(m)
     if packed is None:
         seen = packs["seen"] = packs.get("seen", {})
-        seen[rows] = seen.get(rows, 0) + 1
-        if seen[rows] < PACK_AFTER_CALLS or len(packs) - 1 >= MAX_PACKS:
+        seen[m] = seen.get(m, 0) + 1
+        if seen[m] < after or len(packs) - 1 >= MAX_PACKS:
             return F.linear(x, weight, bias)
-        packed = packs[rows] = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
-    return torch.ops.mkl._mkl_linear(x, packed, weight, bias, rows)
+        packed = packs[m] = torch.ops.mkl._mkl_reorder_linear_weight(weight, m)
+    if rows == m:
+        return torch.ops.mkl._mkl_linear(x, packed, weight, bias, m)
+    x2 = x.reshape(rows, x.shape[-1])
+    x2 = torch.cat([x2, x2.new_zeros(m - rows, x2.shape[1])])
+    out = torch.ops.mkl._mkl_linear(x2, packed, weight, bias, m)[:rows]
+    return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def _packed_linear(module: nn.Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
