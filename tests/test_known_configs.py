@@ -75,3 +75,17 @@ def test_byt5_small_runs_one_bench_request_on_cpu():
                                  "--input-len", "8", "--output-len", "3"])
     assert r.exit_code == 0, r.output
     assert "1/0" in r.output
+
+
+@pytest.mark.parametrize("name", ["facebook/bart-base", "whisper-base", "not-a-model"])
+def test_the_whisper_stand_in_tokenizer_passes_over_names_outside_the_table(name):
+    """bench and transcribe ask for the stand-in tokenizer before the engine resolves the model;
+    a name outside the table (the alias "t5-base" has no owner) once raised IndexError there
+    instead of reaching model_source's error, which lists the known names."""
+    from enc2dec.engine import LlmArgs
+    from enc2dec.engine.whisper.tokens import IdOnlyTokenizer, with_stand_in_tokenizer
+
+    args = LlmArgs(model=name, load_format="dummy")
+    assert with_stand_in_tokenizer(args) is args
+    whisper = with_stand_in_tokenizer(LlmArgs(model="openai/whisper-base", load_format="dummy"))
+    assert isinstance(whisper.tokenizer, IdOnlyTokenizer)

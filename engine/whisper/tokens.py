@@ -203,11 +203,12 @@ def with_stand_in_tokenizer(args):
     model = args.model
     if args.tokenizer is not None or args.load_format != "dummy" or os.path.isdir(model):
         return args
-    known = model if model in KNOWN_MODELS else next((k for k in KNOWN_MODELS if k.split("/", 1)[1] == model), None)
-    if known is None or get_known_config(known).model_type != "whisper":
+    # Only the names that load_format='dummy' builds without files (model_source.py); any other
+    # name fails there with the list of known ones.
+    if model not in KNOWN_MODELS or get_known_config(model).model_type != "whisper":
         return args
-    tokens = WhisperTokens.from_generation_config(get_known_generation_config(known),
-                                                  get_known_config(known).vocab_size)
+    tokens = WhisperTokens.from_generation_config(get_known_generation_config(model),
+                                                  get_known_config(model).vocab_size)
     return dataclasses.replace(args, tokenizer=IdOnlyTokenizer(tokens))
 
 
