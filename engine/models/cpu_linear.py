@@ -14,7 +14,7 @@ A packed weight serves one row count only (MKL's packed compute takes the m it w
 for; ``torch.ops.mkl._mkl_linear`` falls back to ``F.linear`` for any other). So each layer
 packs lazily, per row count, for at most ``MAX_PACKS`` counts; each pack costs the weight's
 size in memory. Steps of 2-8 rows take a pack of their own count; 9-64 rows are padded up to
-a bucket (``BUCKET_ROWS``), so that prompts of many lengths share a few packs (each output row
+a bucket (``BUCKET_ROWS``), so that prompts of nearby lengths share a pack (each output row
 depends on its own input row only, so padding cannot change a real row). The products agree
 with ``F.linear`` to float32 rounding, not bit for bit.
 """
@@ -32,12 +32,15 @@ logger = logging.getLogger("enc2dec")
 
 # Row counts that take the packed product of their own count (decode steps of 2-8 sequences).
 MIN_ROWS, MAX_ROWS = 2, 8
-# Larger counts up to the last bucket are padded up to the next bucket's pack. Measured on 2
-# cores (flan-t5-small's shapes, us per product, F.linear against the bucket's pack): [r, 512] x
-# [512, 2048] at 12 / 24 / 32 / 48 / 64 rows 255 / 348 / 403 / 488 / 525 against 157 / 255 /
-# 246 / 408 / 389; [r, 1024] x [1024, 512] 88 / 228 / 242 / 290 / 260 against 92 / 140 / 120 /
-# 234 / 200. At 96 rows F.linear wins (622 against two 64-row packs' 845).
-BUCKET_ROWS = (16, 32, 64)
+# Larger counts up to the last bucket are padded up to the next bucket's pack. A padded row costs
+# as much as a real one, so the buckets are close enough that the pack wins at every count
+# (measured on 2 cores, us per product, F.linear against the bucket's pack): flan-t5-small's
+# [r, 512] x [512, 2048] at 17 / 24 / 33 / 64 rows 310 / 325 / 381 / 525 against 181 / 175 /
+# 285 / 389; bart-large's [r, 1024] x [1024, 3072] 871 / 954 / 1134 / 1691 against 569 / 567 /
+# 924 / 1335. Bucket 64 alone for 33-64 rows lost: 40 rows padded to 64 took 1,895 us in
+# bart-large's fc2 against F.linear's 1,751 (bart-large's TTFT at 40 tokens 9% worse), where
+# bucket 48 took 1,407. At 96 rows F.linear wins (622 against two 64-row packs' 845).
+BUCKET_ROWS = (16, 24, 32, 48, 64)
 # Distinct row counts packed per layer; further ones keep F.linear rather than repacking.
 MAX_PACKS = 2
 # A row count packs on its this-many-th call: packing a layer costs about as much as one
