@@ -46,8 +46,19 @@ def test_a_bucket_pads_short_batches_without_changing_any_row():
         m = _pack_key(rows)
         if m in packs:
             assert torch.equal(got[0, 0], alone.setdefault(m, got[0, 0]))
-    first = set(cpu_linear.BUCKET_ROWS[:cpu_linear.MAX_PACKS])      # the first buckets reached
+    first = set(cpu_linear.BUCKET_ROWS[:cpu_linear.MAX_BUCKET_PACKS])      # the first buckets reached
     assert set(packs) - {"seen"} == first and set(alone) == first
+
+
+def test_buckets_leave_a_pack_for_the_decode_row_counts():
+    """A layer that met two buckets first (an encoder's prompt lengths, a CPU batch's sizes) still
+    packs a 2-8-row decode count: buckets hold at most MAX_BUCKET_PACKS of its MAX_PACKS."""
+    weight, packs = torch.randn(16, 8), {}
+    for rows in (12, 20, 4):
+        for _ in range(PACK_AFTER_CALLS):
+            x = torch.randn(rows, 8)
+            torch.testing.assert_close(packed_linear(packs, x, weight, None), F.linear(x, weight))
+    assert set(packs) - {"seen"} == {16, 4}
 
 
 def test_packs_at_most_max_packs_row_counts():
@@ -103,3 +114,34 @@ def test_lm_head_pads_a_step_up_to_a_packed_row_count_without_changing_any_row()
             assert torch.equal(got[0], alone.setdefault(m, got[0]))
     assert len(head.packs) == cpu_linear.HEAD_MAX_PACKS and set(head.packs) <= set(cpu_linear.HEAD_PACK_ROWS)
     assert len(alone) == cpu_linear.HEAD_MAX_PACKS       # rows went through both packs
+
+
+def test_bucket_packs_stop_at_the_models_budget():
+    """Bucket packs are a one-time copy of each weight: a model packs at most its budget's bytes
+    of them (the rest keep F.linear, products unchanged), while 2-8-row packs are not counted."""
+    g = torch.Generator().manual_seed(2)
+    weights = [torch.randn(32, 16, generator=g) for _ in range(3)]
+    one = weights[0].numel() * weights[0].element_size()
+    budget = cpu_linear.PackBudget(2 * one)
+    layers = [{} for _ in weights]
+    for _ in range(cpu_linear.PACK_AFTER_CALLS):
+        for packs, w in zip(layers, weights):
+            for rows in (20, 3):
+                x = torch.randn(rows, 16, generator=g)
+                torch.testing.assert_close(packed_linear(packs, x, w, None, budget), F.linear(x, w))
+    assert [set(p) - {"seen"} for p in layers] == [{24, 3}, {24, 3}, {3}]
+    assert budget.left == 0
+
+
+def test_use_packed_cpu_linear_gives_every_layer_one_shared_budget():
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)).requires_grad_(False)
+    assert cpu_linear.use_packed_cpu_linear(model) == 2
+    budgets = {id(m._mkl_budget) for m in model}
+    assert len(budgets) == 1 and model[0]._mkl_budget.left == cpu_linear.BUCKET_PACK_BYTES
+    x = torch.randn(12, 8)
+    for _ in range(cpu_linear.BUCKET_PACK_AFTER_CALLS):
+        y = model(x)
+    torch.testing.assert_close(y, F.linear(F.linear(x, model[0].weight, model[0].bias), model[1].weight, model[1].bias))
+    assert model[0]._mkl_budget.left == cpu_linear.BUCKET_PACK_BYTES - 2 * 8 * 8 * 4

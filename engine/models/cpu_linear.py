@@ -48,13 +48,38 @@ MAX_PACKS = 2
 # pass), so the row counts of a few tail steps never pay it.
 PACK_AFTER_CALLS = 16
 # A bucket packs sooner: encoder layers see one call per encode, and a bucket gathers the
-# prompts of 16-32 lengths, so its second call is the sign of a workload that repeats it.
+# prompts of several lengths, so its second call is the sign of a workload that repeats it.
 BUCKET_PACK_AFTER_CALLS = 2
+# Of a layer's MAX_PACKS, buckets take at most this many, and a model's bucket packs at most
+# BUCKET_PACK_BYTES of weights (``PackBudget``). Packing is a one-time cost of about a copy of the
+# weight into fresh memory, which first-touch page faults make far dearer on some VMs: this CI
+# machine type took 80 ms for a 42 MB byt5-small weight in the engine (12 ms in a fresh
+# process), 1.7 s for all of byt5-small's encoder at one bucket, which a 64-request run at C=2
+# did not earn back (48.9 against 51.4 out tok/s; E2E p50 258 against 296 ms). The budget keeps a
+# short run's one-time cost near 0.5 s there while a small model (flan-t5-small's encoder and
+# cross K/V: ~90 MB) packs whole.
+MAX_BUCKET_PACKS = 1
+BUCKET_PACK_BYTES = 256 << 20
 
 
-def packed_linear(packs: dict, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+class PackBudget:
+    """Bytes of weight a model may still pack for buckets; shared by all its linear layers."""
+
+    def __init__(self, nbytes: int = BUCKET_PACK_BYTES):
+        self.left = nbytes
+
+    def take(self, nbytes: int) -> bool:
+        if nbytes > self.left:
+            return False
+        self.left -= nbytes
+        return True
+
+
+def packed_linear(packs: dict, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  budget: PackBudget | None = None) -> torch.Tensor:
     """``F.linear`` through a packed copy of ``weight`` kept in ``packs`` (row count -> pack;
-    ``"seen"``: calls per row count not packed yet)."""
+    ``"seen"``: calls per row count not packed yet). ``budget``: the model's for bucket packs
+    (none: no limit)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     # The packed op has no autograd: weights that train keep F.linear.
     if not MIN_ROWS <= rows <= BUCKET_ROWS[-1] or x.dtype != torch.float32 or weight.requires_grad:
@@ -67,7 +92,11 @@ def packed_linear(packs: dict, x: torch.Tensor, weight: torch.Tensor, bias: torc
     if packed is None:
         seen = packs["seen"] = packs.get("seen", {})
         seen[m] = seen.get(m, 0) + 1
-        if seen[m] < after or len(packs) - 1 >= MAX_PACKS:
+        held = [k for k in packs if k != "seen"]
+        if seen[m] < after or len(held) >= MAX_PACKS:
+            return F.linear(x, weight, bias)
+        if m > MAX_ROWS and (sum(k > MAX_ROWS for k in held) >= MAX_BUCKET_PACKS
+                             or (budget is not None and not budget.take(weight.numel() * weight.element_size()))):
             return F.linear(x, weight, bias)
         packed = packs[m] = torch.ops.mkl._mkl_reorder_linear_weight(weight, m)
     if rows == m:
@@ -79,7 +108,8 @@ def packed_linear(packs: dict, x: torch.Tensor, weight: torch.Tensor, bias: torc
 
 
 def _packed_linear(module: nn.Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return packed_linear(module.__dict__.setdefault("_mkl_packs", {}), x, module.weight, bias)
+    return packed_linear(module.__dict__.setdefault("_mkl_packs", {}), x, module.weight, bias,
+                         module.__dict__.get("_mkl_budget"))
 
 
 # The LM head (the largest weight a decode step reads: 66-106 MB in float32 for the small
@@ -200,10 +230,12 @@ def use_packed_cpu_linear(model: nn.Module) -> int:
     its dense MLPs); returns how many linears."""
     count = 0
     fuse_act = onednn_linear_available()
+    budget = PackBudget()
     for module in model.modules():
         cls = _PACKED_CLASSES.get(type(module))
         if cls is not None:
             module.__class__ = cls
+            module._mkl_budget = budget
             count += 1
         elif fuse_act and type(module) is DenseMLP:
             module.__class__ = FusedActCpuDenseMLP
