@@ -241,5 +241,5 @@ def use_packed_cpu_linear(model: nn.Module) -> int:
             module.__class__ = FusedActCpuDenseMLP
     if hasattr(model, "head_product"):
         model.head_product = PackedHead()
-    logger.info("MKL packed sgemm on %d linear layers for steps of %d-%d rows", count, MIN_ROWS, MAX_ROWS)
+    logger.info("MKL packed sgemm on %d linear layers for products of %d-%d rows", count, MIN_ROWS, BUCKET_ROWS[-1])
     return count
