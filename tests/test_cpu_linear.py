@@ -126,10 +126,10 @@ def test_bucket_packs_stop_at_the_models_budget():
     layers = [{} for _ in weights]
     for _ in range(cpu_linear.PACK_AFTER_CALLS):
         for packs, w in zip(layers, weights):
-            for rows in (20, 3):
+            for rows in (20, 5):
                 x = torch.randn(rows, 16, generator=g)
                 torch.testing.assert_close(packed_linear(packs, x, w, None, budget), F.linear(x, w))
-    assert [set(p) - {"seen"} for p in layers] == [{24, 3}, {24, 3}, {3}]
+    assert [set(p) - {"seen"} for p in layers] == [{24, 5}, {24, 5}, {5}]
     assert budget.left == 0
 
 

@@ -1,12 +1,12 @@
 """CPU projections of a few rows through MKL's packed sgemm, applied to a model from outside.
 
-A decode step of C sequences multiplies C rows by every weight matrix. At 2-8 rows MKL's
-ordinary sgemm runs far below the rate at which the weights can be read; with the weight
-packed once into MKL's internal layout (``cblas_sgemm_pack``, what inductor's CPU freezing
-uses) the same product takes ~0.7x the time (flan-t5-small's decoder linears at 4 rows, 2 cores:
-10.6 -> 7.6 ms per step). Short encoder batches gain too: a T5 prompt of 32 tokens is a
-32-row product in every encoder linear, where ordinary sgemm spends most of its call packing
-the weight (flan-t5-small's [32, 512] x [512, 2048]: 403 us, packed 246 us). One row (a GEMV)
+A decode step of C sequences multiplies C rows by every weight matrix. At a few rows (2-8 on
+an AMD EPYC, 4-8 on an Intel Xeon: ``MIN_ROWS``) MKL's ordinary sgemm runs far below the rate
+at which the weights can be read; with the weight packed once into MKL's internal layout
+(``cblas_sgemm_pack``, what inductor's CPU freezing uses) the same product takes ~0.7x the
+time (flan-t5-small's decoder linears at 4 rows, 2 cores: 10.6 -> 7.6 ms per step). Short
+encoder batches gain too: a T5 prompt of 32 tokens is a 32-row product in every encoder linear,
+where ordinary sgemm spends most of its call packing the weight (flan-t5-small's [32, 512] x [512, 2048]: 403 us, packed 246 us). One row (a GEMV)
 and long batches gain nothing (at 96 rows and over the ordinary call is as fast), so they keep
 ``F.linear``.
 
@@ -30,8 +30,26 @@ from enc2dec.engine.models.layers import DenseMLP, MergedLinear, RowParallelLine
 
 logger = logging.getLogger("enc2dec")
 
-# Row counts that take the packed product of their own count (decode steps of 2-8 sequences).
-MIN_ROWS, MAX_ROWS = 2, 8
+
+def _cpu_vendor() -> str:
+    """``vendor_id`` of /proc/cpuinfo ("GenuineIntel", "AuthenticAMD"), "" where unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+# Row counts that take the packed product of their own count (decode steps of a few sequences).
+# MKL picks its small-m kernels by CPU: on the AMD EPYC of session 15 the packs won from 2 rows;
+# on an Intel Xeon (AVX-512, AMX) plain sgemm beats them at 2-3 rows ([r, 512] x [512, 2048]:
+# 81-84 against 90-99 us) and loses from 4 (126 against 113): flan-t5-small's decode step with
+# 2-3 rows packed 11.74 / 12.96 ms, unpacked 11.05 / 12.05.
+MIN_ROWS = 4 if _cpu_vendor() == "GenuineIntel" else 2
+MAX_ROWS = 8
 # Larger counts up to the last bucket are padded up to the next bucket's pack. A padded row costs
 # as much as a real one, so the buckets are close enough that the pack wins at every count
 # (measured on 2 cores, us per product, F.linear against the bucket's pack): flan-t5-small's
