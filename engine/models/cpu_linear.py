@@ -6,9 +6,9 @@ at which the weights can be read; with the weight packed once into MKL's interna
 (``cblas_sgemm_pack``, what inductor's CPU freezing uses) the same product takes ~0.7x the
 time (flan-t5-small's decoder linears at 4 rows, 2 cores: 10.6 -> 7.6 ms per step). Short
 encoder batches gain too: a T5 prompt of 32 tokens is a 32-row product in every encoder linear,
-where ordinary sgemm spends most of its call packing the weight (flan-t5-small's [32, 512] x [512, 2048]: 403 us, packed 246 us). One row (a GEMV)
-and long batches gain nothing (at 96 rows and over the ordinary call is as fast), so they keep
-``F.linear``.
+where ordinary sgemm spends most of its call packing the weight (flan-t5-small's [32, 512] x
+[512, 2048]: 403 us, packed 246 us). One row (a GEMV) and long batches gain nothing (at 96 rows
+and over the ordinary call is as fast), so they keep ``F.linear``.
 
 A packed weight serves one row count only (MKL's packed compute takes the m it was packed
 for; ``torch.ops.mkl._mkl_linear`` falls back to ``F.linear`` for any other). So each layer
