@@ -117,6 +117,13 @@ def packed_linear(packs: dict, x: torch.Tensor, weight: torch.Tensor, bias: torc
                              or (budget is not None and not budget.take(weight.numel() * weight.element_size()))):
             return F.linear(x, weight, bias)
         packed = packs[m] = torch.ops.mkl._mkl_reorder_linear_weight(weight, m)
+    return _padded_product(x, rows, packed, weight, bias, m)
+
+
+def _padded_product(x: torch.Tensor, rows: int, packed: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None, m: int) -> torch.Tensor:
+    """The product of ``x``'s ``rows`` rows through a pack made for ``m >= rows`` rows: MKL's
+    packed compute takes the m it was packed for, so zero rows pad it and are cut off after."""
     if rows == m:
         return torch.ops.mkl._mkl_linear(x, packed, weight, bias, m)
     x2 = x.reshape(rows, x.shape[-1])
@@ -164,9 +171,7 @@ class PackedHead:
             if self.seen[m] < HEAD_PACK_AFTER_CALLS or len(self.packs) >= HEAD_MAX_PACKS:
                 return F.linear(hidden, weight)
             packed = self.packs[m] = torch.ops.mkl._mkl_reorder_linear_weight(weight, m)
-        x = hidden if rows == m else torch.cat([hidden, hidden.new_zeros(m - rows, hidden.shape[1])])
-        out = torch.ops.mkl._mkl_linear(x, packed, weight, None, m)
-        return out if rows == m else out[:rows]
+        return _padded_product(hidden, rows, packed, weight, None, m)
 
 
 # Each packed class names the class it replaced (``plain_class``), so another path that swaps
