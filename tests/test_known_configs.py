@@ -89,3 +89,17 @@ def test_the_whisper_stand_in_tokenizer_passes_over_names_outside_the_table(name
     assert with_stand_in_tokenizer(args) is args
     whisper = with_stand_in_tokenizer(LlmArgs(model="openai/whisper-base", load_format="dummy"))
     assert isinstance(whisper.tokenizer, IdOnlyTokenizer)
+
+
+def test_bench_names_the_known_models_for_a_dummy_name_outside_the_table(monkeypatch):
+    """The command a user ran when the lookup above raised IndexError: it exits 2 with the list
+    of names that need no download (the hub is off here, as on a machine without it)."""
+    from enc2dec.cli.main import app
+    from typer.testing import CliRunner
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    r = CliRunner().invoke(app, ["bench", "--quiet", "--model", "facebook/bart-base", "--load-format", "dummy",
+                                 "--concurrency", "1", "--num-requests", "1", "--output-len", "2"])
+    assert r.exit_code == 2, r.output
+    assert "IndexError" not in r.output
+    assert "need no download" in r.output and "facebook/bart-large" in r.output
