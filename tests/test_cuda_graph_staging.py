@@ -65,3 +65,27 @@ def test_the_overlaps_placeholder_rows_travel_in_the_same_staging_copy():
     fill_staging(h64, h32, seqs, B, TPB, SELF_W, CROSS_W)       # a step without placeholders
     f = _fields(h64, h32)
     assert not f["fill_dst"].any() and not f["fill_src"].any()
+
+
+def test_the_runner_scatters_the_previous_samples_into_the_placeholder_rows():
+    # DecodeGraphRunner.run's copy and scatter, on CPU tensors (no capture, no replay): the rows
+    # named in fill take prev_tokens[src]; the other rows keep their staged ids
+    import torch
+
+    from enc2dec.engine.runner.cuda_graph import INT64_FIELDS, DecodeGraphRunner
+
+    g = object.__new__(DecodeGraphRunner)
+    g.device, g.sizes, g.max_b, g.tpb, g.self_width, g.cross_width = torch.device("cpu"), [B], B, TPB, SELF_W, CROSS_W
+    n32 = (B + 1) + 2 * B + B * SELF_W + B * CROSS_W
+    g._staging = [(torch.zeros(INT64_FIELDS * B, dtype=torch.long), torch.zeros(n32, dtype=torch.int32))
+                  for _ in range(2)]
+    g._turn = 0
+    g._dev64, g._dev32 = torch.zeros(INT64_FIELDS * B, dtype=torch.long), torch.zeros(n32, dtype=torch.int32)
+    seqs = _seqs(6, seed=11)
+    prev = torch.tensor([900, 901, 902, 903, 904, 905, 906])
+    g.run(seqs, [[1, 3, 4], [6, 0, 2]], prev, replay=False)
+    ids = g._dev64[:B].tolist()
+    assert [ids[1], ids[3], ids[4]] == [906, 900, 902]
+    assert [ids[i] for i in (0, 2, 5)] == [seqs[i].input_token_ids[0] for i in (0, 2, 5)]
+    g.run(seqs, None, prev, replay=False)           # the next step, in the other staging set
+    assert g._dev64[:6].tolist() == [s.input_token_ids[0] for s in seqs]

@@ -38,6 +38,11 @@ _BLOCKS, _CROSS = operator.attrgetter("block_ids"), operator.attrgetter("cross_b
 _ENC_LEN, _FIRST = operator.attrgetter("encoder_len"), operator.itemgetter(0)
 
 
+# int64 staging fields of a decode step (fill_staging): input ids, positions, self slots,
+# last-token rows, and the overlap's placeholder rows with the sample rows they take
+INT64_FIELDS = 6
+
+
 class DecodeGraphRunner:
     def __init__(self, model, kv, device, capture_sizes: list[int], max_decoder_len: int,
                  max_encoder_len: int, tokens_per_block: int):
@@ -50,12 +55,10 @@ class DecodeGraphRunner:
         self.self_width = -(-max_decoder_len // tokens_per_block)
         self.cross_width = -(-max_encoder_len // tokens_per_block)
         b = self.max_b
-        # int64 fields: input_ids, positions, slot_mapping, last_token_indices, and the overlap's
-        # placeholder rows (fill_staging) with the previous step's sample rows they take
         # Two pinned staging sets, used in turn: with the overlap scheduler the host fills step
         # N+1's inputs while step N's copy may still be queued; N-1's copy is known done.
-        self._staging = [(torch.zeros(6 * b, dtype=torch.long).pin_memory(), None) for _ in range(2)]
-        self._dev64 = torch.zeros(6 * b, dtype=torch.long, device=device)
+        self._staging = [(torch.zeros(INT64_FIELDS * b, dtype=torch.long).pin_memory(), None) for _ in range(2)]
+        self._dev64 = torch.zeros(INT64_FIELDS * b, dtype=torch.long, device=device)
         # int32 fields: query_start_loc (b+1), seq_lens, enc_lens, block tables
         n32 = (b + 1) + 2 * b + b * self.self_width + b * self.cross_width
         self._staging = [(h64, torch.zeros(n32, dtype=torch.int32).pin_memory()) for h64, _ in self._staging]
