@@ -25,7 +25,8 @@ def _seqs(n, seed):
 
 def _fields(h64, h32):
     o_bt = 3 * B + 1
-    return dict(ids=h64[:B], pos=h64[B:2 * B], slots=h64[2 * B:3 * B], last=h64[3 * B:],
+    return dict(ids=h64[:B], pos=h64[B:2 * B], slots=h64[2 * B:3 * B], last=h64[3 * B:4 * B],
+                fill_dst=h64[4 * B:5 * B], fill_src=h64[5 * B:],
                 qsl=h32[:B + 1], seq_lens=h32[B + 1:2 * B + 1], enc_lens=h32[2 * B + 1:3 * B + 1],
                 bt=h32[o_bt:o_bt + B * SELF_W].reshape(B, SELF_W),
                 cbt=h32[o_bt + B * SELF_W:].reshape(B, CROSS_W))
@@ -33,7 +34,7 @@ def _fields(h64, h32):
 
 def test_staging_rows_hold_each_sequence_and_padding_rows_write_nowhere():
     n32 = (B + 1) + 2 * B + B * SELF_W + B * CROSS_W
-    h64, h32 = np.full(4 * B, 77, np.int64), np.full(n32, 77, np.int32)    # poisoned: stale values must go
+    h64, h32 = np.full(6 * B, 77, np.int64), np.full(n32, 77, np.int32)    # poisoned: stale values must go
     for n in (0, 1, 5, B):
         seqs = _seqs(n, seed=n)
         fill_staging(h64, h32, seqs, B, TPB, SELF_W, CROSS_W)
@@ -49,3 +50,42 @@ def test_staging_rows_hold_each_sequence_and_padding_rows_write_nowhere():
         for i in range(n, B):          # padding: slot -1, one key, one encoder position, block 0
             assert f["slots"][i] == -1 and f["seq_lens"][i] == 1 and f["enc_lens"][i] == 1
             assert not f["bt"][i].any() and not f["cbt"][i].any() and f["ids"][i] == 0
+
+
+def test_the_overlaps_placeholder_rows_travel_in_the_same_staging_copy():
+    # [rows whose input is a placeholder, rows of the previous step's samples they take]: the
+    # graph runner scatters prev_tokens[src] into ids[dst] on the device from these two fields
+    n32 = (B + 1) + 2 * B + B * SELF_W + B * CROSS_W
+    h64, h32 = np.full(6 * B, 77, np.int64), np.full(n32, 77, np.int32)
+    seqs = _seqs(5, seed=3)
+    fill_staging(h64, h32, seqs, B, TPB, SELF_W, CROSS_W, fill=[[0, 2, 4], [3, 0, 1]])
+    f = _fields(h64, h32)
+    assert f["fill_dst"][:3].tolist() == [0, 2, 4] and f["fill_src"][:3].tolist() == [3, 0, 1]
+    assert f["ids"][1] == seqs[1].input_token_ids[0] and f["last"].tolist() == list(range(B))
+    fill_staging(h64, h32, seqs, B, TPB, SELF_W, CROSS_W)       # a step without placeholders
+    f = _fields(h64, h32)
+    assert not f["fill_dst"].any() and not f["fill_src"].any()
+
+
+def test_the_runner_scatters_the_previous_samples_into_the_placeholder_rows():
+    # DecodeGraphRunner.run's copy and scatter, on CPU tensors (no capture, no replay): the rows
+    # named in fill take prev_tokens[src]; the other rows keep their staged ids
+    import torch
+
+    from enc2dec.engine.runner.cuda_graph import INT64_FIELDS, DecodeGraphRunner
+
+    g = object.__new__(DecodeGraphRunner)
+    g.device, g.sizes, g.max_b, g.tpb, g.self_width, g.cross_width = torch.device("cpu"), [B], B, TPB, SELF_W, CROSS_W
+    n32 = (B + 1) + 2 * B + B * SELF_W + B * CROSS_W
+    g._staging = [(torch.zeros(INT64_FIELDS * B, dtype=torch.long), torch.zeros(n32, dtype=torch.int32))
+                  for _ in range(2)]
+    g._turn = 0
+    g._dev64, g._dev32 = torch.zeros(INT64_FIELDS * B, dtype=torch.long), torch.zeros(n32, dtype=torch.int32)
+    seqs = _seqs(6, seed=11)
+    prev = torch.tensor([900, 901, 902, 903, 904, 905, 906])
+    g.run(seqs, [[1, 3, 4], [6, 0, 2]], prev, replay=False)
+    ids = g._dev64[:B].tolist()
+    assert [ids[1], ids[3], ids[4]] == [906, 900, 902]
+    assert [ids[i] for i in (0, 2, 5)] == [seqs[i].input_token_ids[0] for i in (0, 2, 5)]
+    g.run(seqs, None, prev, replay=False)           # the next step, in the other staging set
+    assert g._dev64[:6].tolist() == [s.input_token_ids[0] for s in seqs]

@@ -38,6 +38,11 @@ _BLOCKS, _CROSS = operator.attrgetter("block_ids"), operator.attrgetter("cross_b
 _ENC_LEN, _FIRST = operator.attrgetter("encoder_len"), operator.itemgetter(0)
 
 
+# int64 staging fields of a decode step (fill_staging): input ids, positions, self slots,
+# last-token rows, and the overlap's placeholder rows with the sample rows they take
+INT64_FIELDS = 6
+
+
 class DecodeGraphRunner:
     def __init__(self, model, kv, device, capture_sizes: list[int], max_decoder_len: int,
                  max_encoder_len: int, tokens_per_block: int):
@@ -50,11 +55,10 @@ class DecodeGraphRunner:
         self.self_width = -(-max_decoder_len // tokens_per_block)
         self.cross_width = -(-max_encoder_len // tokens_per_block)
         b = self.max_b
-        # int64 fields: input_ids, positions, slot_mapping, last_token_indices
         # Two pinned staging sets, used in turn: with the overlap scheduler the host fills step
         # N+1's inputs while step N's copy may still be queued; N-1's copy is known done.
-        self._staging = [(torch.zeros(4 * b, dtype=torch.long).pin_memory(), None) for _ in range(2)]
-        self._dev64 = torch.zeros(4 * b, dtype=torch.long, device=device)
+        self._staging = [(torch.zeros(INT64_FIELDS * b, dtype=torch.long).pin_memory(), None) for _ in range(2)]
+        self._dev64 = torch.zeros(INT64_FIELDS * b, dtype=torch.long, device=device)
         # int32 fields: query_start_loc (b+1), seq_lens, enc_lens, block tables
         n32 = (b + 1) + 2 * b + b * self.self_width + b * self.cross_width
         self._staging = [(h64, torch.zeros(n32, dtype=torch.int32).pin_memory()) for h64, _ in self._staging]
@@ -135,12 +139,13 @@ class DecodeGraphRunner:
         n = len(seqs)
         host64, host32 = self._staging[self._turn]
         self._turn ^= 1
-        fill_staging(host64.numpy(), host32.numpy(), seqs, self.max_b, self.tpb, self.self_width, self.cross_width)
+        B = self.max_b
+        fill_staging(host64.numpy(), host32.numpy(), seqs, B, self.tpb, self.self_width, self.cross_width, fill)
         self._dev64.copy_(host64, non_blocking=True)
         self._dev32.copy_(host32, non_blocking=True)
-        if fill is not None:
-            dst, src = to_device(fill, torch.long, self.device)              # one copy: [2, n]
-            self._dev64[dst] = prev_tokens[src]
+        if fill is not None:            # the rows travelled in the same copy: no allocation, no second copy
+            k = len(fill[0])
+            self._dev64[:B][self._dev64[4 * B:4 * B + k]] = prev_tokens[self._dev64[5 * B:5 * B + k]]
         if not replay:
             return None
         b = next(size for size in self.sizes if size >= n)
@@ -161,10 +166,11 @@ def scatter_rows(table: np.ndarray, rows: list[list[int]]) -> None:
 
 
 def fill_staging(h64: np.ndarray, h32: np.ndarray, seqs, B: int, tpb: int, self_width: int,
-                 cross_width: int) -> None:
+                 cross_width: int, fill: list[list[int]] | None = None) -> None:
     """Write one decode step's inputs into the staging layout of ``DecodeGraphRunner``.
 
-    h64 (int64, 4 * B): input ids | positions | self slots | last-token rows.
+    h64 (int64, 6 * B): input ids | positions | self slots | last-token rows | the rows whose
+    input is a placeholder (``fill[0]``) | the previous step's sample rows they take (``fill[1]``).
     h32 (int32): query_start_loc (B + 1) | seq_lens (B) | enc_lens (B) | self block table
     (B x self_width) | cross block table (B x cross_width). Rows past ``len(seqs)`` are
     padding: slot -1 (write nowhere), one key and one encoder position, block 0.
@@ -181,6 +187,10 @@ def fill_staging(h64: np.ndarray, h32: np.ndarray, seqs, B: int, tpb: int, self_
     o_bt = 3 * B + 1
     o_cbt = o_bt + B * self_width
     h32[o_bt:] = 0
+    if fill is not None:
+        k = len(fill[0])
+        h64[4 * B:4 * B + k] = fill[0]
+        h64[5 * B:5 * B + k] = fill[1]
     if n == 0:
         return
     pos = np.fromiter(map(_START, seqs), np.int64, n)

@@ -509,7 +509,8 @@ class ModelRunner:
         total = int(ends[-1])
         blocks, cross = list(map(_BLOCKS, seqs)), list(map(_CROSS, seqs))
         width, cross_width = max(1, max(map(len, blocks))), max(1, max(map(len, cross)))
-        a64, (ids, pos, slots, last) = _packed(np.int64, (total, total, total, n))
+        k = len(fill[0]) if fill is not None else 0
+        a64, (ids, pos, slots, last, fill_dst, fill_src) = _packed(np.int64, (total, total, total, n, k, k))
         a32, (qsl, seq_lens, enc_lens, table, cross_table) = _packed(
             np.int32, (n + 1, n, n, n * width, n * cross_width))
         ids[:] = np.fromiter(itertools.chain.from_iterable(map(_INPUTS, seqs)), np.int64, total)
@@ -528,8 +529,10 @@ class ModelRunner:
         scatter_rows(table, blocks)
         scatter_rows(cross_table, cross)
         slots[:] = table[row, pos // tpb].astype(np.int64) * tpb + pos % tpb
+        if k:
+            fill_dst[:], fill_src[:] = fill
         d64, d32 = to_device(a64, torch.long, dev), to_device(a32, torch.int32, dev)
-        view64, view32 = _device_views(d64, (total, total, total, n)), \
+        view64, view32 = _device_views(d64, (total, total, total, n, k, k)), \
             _device_views(d32, (n + 1, n, n, n * width, n * cross_width))
         input_ids, positions = view64[0], view64[1]
         meta = DecoderMetadata(
@@ -537,7 +540,6 @@ class ModelRunner:
             slot_mapping=view64[2], cross_block_tables=view32[4].view(n, cross_width), enc_lens=view32[2],
             query_lens_host=lens.tolist(), seq_lens_host=seq_lens.tolist(), enc_lens_host=enc_lens.tolist(),
             last_token_indices=view64[3])
-        if fill is not None:
-            dst, src = to_device(fill, torch.long, dev)                    # one copy: [2, n]
-            input_ids[dst] = self._prev_tokens[src]
+        if k:           # placeholder inputs: the previous step's samples, by rows that came in the same copy
+            input_ids[view64[4]] = self._prev_tokens[view64[5]]
         return input_ids, positions, meta
