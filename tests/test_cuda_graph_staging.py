@@ -72,15 +72,11 @@ def test_the_runner_scatters_the_previous_samples_into_the_placeholder_rows():
     # named in fill take prev_tokens[src]; the other rows keep their staged ids
     import torch
 
-    from enc2dec.engine.runner.cuda_graph import INT64_FIELDS, DecodeGraphRunner
+    from enc2dec.engine.runner.cuda_graph import DecodeGraphRunner
 
     g = object.__new__(DecodeGraphRunner)
     g.device, g.sizes, g.max_b, g.tpb, g.self_width, g.cross_width = torch.device("cpu"), [B], B, TPB, SELF_W, CROSS_W
-    n32 = (B + 1) + 2 * B + B * SELF_W + B * CROSS_W
-    g._staging = [(torch.zeros(INT64_FIELDS * B, dtype=torch.long), torch.zeros(n32, dtype=torch.int32))
-                  for _ in range(2)]
-    g._turn = 0
-    g._dev64, g._dev32 = torch.zeros(INT64_FIELDS * B, dtype=torch.long), torch.zeros(n32, dtype=torch.int32)
+    g._make_staging(pin=False)
     seqs = _seqs(6, seed=11)
     prev = torch.tensor([900, 901, 902, 903, 904, 905, 906])
     g.run(seqs, [[1, 3, 4], [6, 0, 2]], prev, replay=False)
@@ -89,3 +85,34 @@ def test_the_runner_scatters_the_previous_samples_into_the_placeholder_rows():
     assert [ids[i] for i in (0, 2, 5)] == [seqs[i].input_token_ids[0] for i in (0, 2, 5)]
     g.run(seqs, None, prev, replay=False)           # the next step, in the other staging set
     assert g._dev64[:6].tolist() == [s.input_token_ids[0] for s in seqs]
+
+
+def test_rows_kept_between_steps_match_a_full_rewrite_as_the_batch_changes():
+    # The graph runner's staging sets keep the block-table rows of unchanged sequences between
+    # steps; after each change of the batch (a sequence grows into a new block, one finishes and
+    # another takes its row, the batch shrinks, grows, empties) the tables must equal a full rewrite.
+    import dataclasses
+
+    n32 = (B + 1) + 2 * B + B * SELF_W + B * CROSS_W
+    kept64, kept32 = np.full(6 * B, 77, np.int64), np.zeros(n32, np.int32)
+    held = ([], [])
+    seqs = _seqs(6, seed=11)
+    rnd = random.Random(5)
+    for step in range(12):
+        if step % 3 == 1:                 # a table grows: a new list (the scheduler never mutates one)
+            i = rnd.randrange(len(seqs))
+            s = seqs[i]
+            if len(s.block_ids) < SELF_W:
+                seqs[i] = dataclasses.replace(s, block_ids=s.block_ids + [rnd.randrange(100)])
+        elif step % 3 == 2 and seqs:      # another request takes a finished one's row
+            seqs[rnd.randrange(len(seqs))] = _seqs(1, seed=100 + step)[0]
+        if step == 6:
+            seqs = seqs[:2]
+        elif step == 8:
+            seqs = seqs + _seqs(B - len(seqs), seed=200)
+        elif step == 10:
+            seqs = []
+        fill_staging(kept64, kept32, seqs, B, TPB, SELF_W, CROSS_W, held=held)
+        full64, full32 = np.full(6 * B, 77, np.int64), np.full(n32, 77, np.int32)
+        fill_staging(full64, full32, seqs, B, TPB, SELF_W, CROSS_W)
+        assert kept64.tolist() == full64.tolist() and kept32.tolist() == full32.tolist(), f"step {step}"

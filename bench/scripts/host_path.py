@@ -124,16 +124,12 @@ class _CpuGraphs:
     buffers) on the CPU, without capture: replay hands back stub logits."""
 
     def __new__(cls, max_b: int, tpb: int, max_dec: int, max_enc: int):
-        from enc2dec.engine.runner.cuda_graph import INT64_FIELDS, DecodeGraphRunner
+        from enc2dec.engine.runner.cuda_graph import DecodeGraphRunner
 
         g = object.__new__(DecodeGraphRunner)
         g.device, g.sizes, g.max_b, g.tpb = torch.device("cpu"), [max_b], max_b, tpb
         g.self_width, g.cross_width = -(-max_dec // tpb), -(-max_enc // tpb)
-        n32 = (max_b + 1) + 2 * max_b + max_b * (g.self_width + g.cross_width)
-        g._staging = [(torch.zeros(INT64_FIELDS * max_b, dtype=torch.long), torch.zeros(n32, dtype=torch.int32))
-                      for _ in range(2)]
-        g._turn = 0
-        g._dev64, g._dev32 = torch.zeros(INT64_FIELDS * max_b, dtype=torch.long), torch.zeros(n32, dtype=torch.int32)
+        g._make_staging(pin=False)
         logits = torch.zeros(max_b, _StubModel.vocab)
         g.graphs = {max_b: type("_NoGraph", (), {"replay": lambda self: None})()}
         g.logits = {max_b: logits}

@@ -54,19 +54,29 @@ class DecodeGraphRunner:
         self.max_encoder_len = max_encoder_len
         self.self_width = -(-max_decoder_len // tokens_per_block)
         self.cross_width = -(-max_encoder_len // tokens_per_block)
-        b = self.max_b
-        # Two pinned staging sets, used in turn: with the overlap scheduler the host fills step
-        # N+1's inputs while step N's copy may still be queued; N-1's copy is known done.
-        self._staging = [(torch.zeros(INT64_FIELDS * b, dtype=torch.long).pin_memory(), None) for _ in range(2)]
-        self._dev64 = torch.zeros(INT64_FIELDS * b, dtype=torch.long, device=device)
-        # int32 fields: query_start_loc (b+1), seq_lens, enc_lens, block tables
-        n32 = (b + 1) + 2 * b + b * self.self_width + b * self.cross_width
-        self._staging = [(h64, torch.zeros(n32, dtype=torch.int32).pin_memory()) for h64, _ in self._staging]
-        self._turn = 0
-        self._dev32 = torch.zeros(n32, dtype=torch.int32, device=device)
+        self._make_staging(pin=True)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = None
+
+    def _make_staging(self, pin: bool) -> None:
+        """The step's input buffers: two host staging sets (pinned on a GPU) and their device copy."""
+        b = self.max_b
+        # int32 fields: query_start_loc (b+1), seq_lens, enc_lens, block tables
+        n32 = (b + 1) + 2 * b + b * self.self_width + b * self.cross_width
+
+        def host(n, dtype):
+            t = torch.zeros(n, dtype=dtype)
+            return t.pin_memory() if pin else t
+
+        # Two staging sets, used in turn: with the overlap scheduler the host fills step N+1's
+        # inputs while step N's copy may still be queued; N-1's copy is known done.
+        self._staging = [(host(INT64_FIELDS * b, torch.long), host(n32, torch.int32)) for _ in range(2)]
+        self._turn = 0
+        # Per staging set: the block-id lists its table rows hold (fill_staging's ``held``)
+        self._held = [([], []) for _ in range(2)]
+        self._dev64 = torch.zeros(INT64_FIELDS * b, dtype=torch.long, device=self.device)
+        self._dev32 = torch.zeros(n32, dtype=torch.int32, device=self.device)
 
     # ---- static views -----------------------------------------------------------------------
     def _views(self, buf64, buf32, b: int):
@@ -138,9 +148,11 @@ class DecodeGraphRunner:
         rows]) names the rows whose token is taken from ``prev_tokens`` on the device."""
         n = len(seqs)
         host64, host32 = self._staging[self._turn]
+        held = self._held[self._turn]
         self._turn ^= 1
         B = self.max_b
-        fill_staging(host64.numpy(), host32.numpy(), seqs, B, self.tpb, self.self_width, self.cross_width, fill)
+        fill_staging(host64.numpy(), host32.numpy(), seqs, B, self.tpb, self.self_width, self.cross_width, fill,
+                     held)
         self._dev64.copy_(host64, non_blocking=True)
         self._dev32.copy_(host32, non_blocking=True)
         if fill is not None:            # the rows travelled in the same copy: no allocation, no second copy
@@ -153,20 +165,43 @@ class DecodeGraphRunner:
         return self.logits[b][:n]
 
 
-def scatter_rows(table: np.ndarray, rows: list[list[int]]) -> None:
-    """table[i, :len(rows[i])] = rows[i] for every i, in a few numpy calls."""
+def scatter_rows(table: np.ndarray, rows: list[list[int]], row_ids: np.ndarray | None = None) -> None:
+    """table[i, :len(rows[i])] = rows[i] for every i (or table[row_ids[i], ...]), in a few numpy calls."""
     lens = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
     total = int(lens.sum())
     if total == 0:
         return
     flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=total)
-    row_idx = np.repeat(np.arange(len(rows)), lens)
+    row_idx = np.repeat(np.arange(len(rows)) if row_ids is None else row_ids, lens)
     col_idx = np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)
     table[row_idx, col_idx] = flat
 
 
+def scatter_changed_rows(table: np.ndarray, rows: list[list[int]], held: list) -> None:
+    """``scatter_rows`` (with zero padding) for a table that already holds the lists in ``held``,
+    row by row, from an earlier call: only the rows whose list is not the same object are written,
+    and rows past ``len(rows)`` that held one are zeroed. ``held`` is updated in place.
+
+    Sound because the scheduler replaces a sequence's block lists, never mutates them (a growing
+    table is a new list; see ``Scheduler._emit_seqs``). A decode step then rewrites only the rows of
+    new sequences and of those that crossed into a new block, instead of every row: Whisper's cross
+    table alone is 64 x 94 entries a step at C=64."""
+    n, k = len(rows), len(held)
+    changed = [i for i, (r, h) in enumerate(zip(rows, held)) if r is not h]
+    if n > k:
+        changed += range(k, n)
+    elif k > n:
+        table[n:k] = 0
+    if changed:
+        ids = np.array(changed, dtype=np.int64)
+        table[ids] = 0
+        scatter_rows(table, [rows[i] for i in changed], ids)
+    held[:] = rows
+
+
 def fill_staging(h64: np.ndarray, h32: np.ndarray, seqs, B: int, tpb: int, self_width: int,
-                 cross_width: int, fill: list[list[int]] | None = None) -> None:
+                 cross_width: int, fill: list[list[int]] | None = None,
+                 held: tuple[list, list] | None = None) -> None:
     """Write one decode step's inputs into the staging layout of ``DecodeGraphRunner``.
 
     h64 (int64, 6 * B): input ids | positions | self slots | last-token rows | the rows whose
@@ -176,7 +211,8 @@ def fill_staging(h64: np.ndarray, h32: np.ndarray, seqs, B: int, tpb: int, self_
     padding: slot -1 (write nowhere), one key and one encoder position, block 0.
     Every sequence feeds one token (``can_run``). Vectorised: the per-sequence work is one
     map() per field read, the rest numpy, which matters at large batch where the host must
-    stay ahead of a ~2 ms GPU step.
+    stay ahead of a ~2 ms GPU step. ``held``: the (self, cross) block lists the tables of these
+    buffers hold from their last call (``scatter_changed_rows``), updated; None rewrites both.
     """
     n = len(seqs)
     h64[:] = 0
@@ -186,7 +222,13 @@ def fill_staging(h64: np.ndarray, h32: np.ndarray, seqs, B: int, tpb: int, self_
     h32[B + 1:3 * B + 1] = 1
     o_bt = 3 * B + 1
     o_cbt = o_bt + B * self_width
-    h32[o_bt:] = 0
+    bt = h32[o_bt:o_cbt].reshape(B, self_width)
+    cbt = h32[o_cbt:o_cbt + B * cross_width].reshape(B, cross_width)
+    if held is None:
+        h32[o_bt:] = 0
+    else:
+        scatter_changed_rows(bt, list(map(_BLOCKS, seqs)), held[0])
+        scatter_changed_rows(cbt, list(map(_CROSS, seqs)), held[1])
     if fill is not None:
         k = len(fill[0])
         h64[4 * B:4 * B + k] = fill[0]
@@ -198,9 +240,9 @@ def fill_staging(h64: np.ndarray, h32: np.ndarray, seqs, B: int, tpb: int, self_
     h64[B:B + n] = pos
     h32[B + 1:B + 1 + n] = pos + 1                    # seq_len: one token fed
     h32[2 * B + 1:2 * B + 1 + n] = np.fromiter(map(_ENC_LEN, seqs), np.int64, n)
-    bt = h32[o_bt:o_cbt].reshape(B, self_width)
-    scatter_rows(bt, list(map(_BLOCKS, seqs)))
-    scatter_rows(h32[o_cbt:o_cbt + B * cross_width].reshape(B, cross_width), list(map(_CROSS, seqs)))
+    if held is None:
+        scatter_rows(bt, list(map(_BLOCKS, seqs)))
+        scatter_rows(cbt, list(map(_CROSS, seqs)))
     h64[2 * B:2 * B + n] = bt[np.arange(n), pos // tpb].astype(np.int64) * tpb + pos % tpb   # self slots
 
 
