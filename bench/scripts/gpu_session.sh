@@ -18,6 +18,8 @@
 #   B (.carry2):        carry longform openai/whisper-large-v3               ~500 s (LONGFORM_S=560)
 #   C (.carry3 .whl):   carry, then the serve/in-process runs of the call
 #   D (.carry4):        carry longform /tmp/real/whisper-base                real weights: WER of both
+#   On a fresh machine B alone needs the speech and wheels of .carry1/.carry2 without the model
+#   parts: .carryB (speech/ and both whl/ sets, 17 MB) with .whl, `carry longform openai/whisper-large-v3`.
 #   bash bench/scripts/gpu_session.sh profile          # greedy vs sampled step, flan-t5-large C=64
 #   bash bench/scripts/gpu_session.sh apiside          # serve_overhead.py (CPU side of serve, idle cores)
 #   bash bench/scripts/gpu_session.sh serveprof        # carry .whl .prof: py-spy over serve + 4 bench clients
