@@ -203,7 +203,7 @@ class LLM:
                 tracked.append(self._core.make_request(p, sp))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}" if not single else str(e)) from None
-        handles = [self._submit(t) for t in tracked]
+        handles = self._submit_all(tracked)
         results = wait_all(handles, use_tqdm and len(handles) > 1)
         if self._error is not None:      # the engine died under these requests (e.g. a TP worker did)
             raise RuntimeError(str(self._error)) from self._error
@@ -259,15 +259,23 @@ class LLM:
 
     # ---- engine thread ----------------------------------------------------------------------
     def _submit(self, tracked) -> RequestHandle:
+        return self._submit_all([tracked])[0]
+
+    def _submit_all(self, tracked: list) -> list[RequestHandle]:
+        """One command for all of them: the engine thread adds a ``generate`` call's requests
+        between the same two steps, so they are admitted together whatever the thread timing (one
+        at a time, a step could start with part of them, and the batch's shape, hence the last
+        bits of a float32 CPU product and a near-tie between beams, would vary run to run)."""
         if self._stop:
             raise RuntimeError("the LLM has been shut down")
         if self._error is not None:
             raise RuntimeError(f"the engine thread died: {self._error!r}")
-        handle = RequestHandle(self, tracked.request.request_id, tracked.streaming)
-        self._handles[handle.request_id] = handle
+        handles = [RequestHandle(self, t.request.request_id, t.streaming) for t in tracked]
+        for h in handles:
+            self._handles[h.request_id] = h
         self._commands.put(("add", tracked))
         self._wake.set()
-        return handle
+        return handles
 
     def _abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -298,7 +306,8 @@ class LLM:
                     except queue.Empty:
                         break
                     if cmd == "add":
-                        core.add(arg)
+                        for tracked in arg:
+                            core.add(tracked)
                     elif cmd == "call":
                         _run_call(core, *arg)
                     else:
