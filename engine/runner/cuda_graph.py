@@ -224,11 +224,11 @@ def fill_staging(h64: np.ndarray, h32: np.ndarray, seqs, B: int, tpb: int, self_
     o_cbt = o_bt + B * self_width
     bt = h32[o_bt:o_cbt].reshape(B, self_width)
     cbt = h32[o_cbt:o_cbt + B * cross_width].reshape(B, cross_width)
-    if held is None:
+    if held is None:            # no record of what the tables hold: clear them, write every row
         h32[o_bt:] = 0
-    else:
-        scatter_changed_rows(bt, list(map(_BLOCKS, seqs)), held[0])
-        scatter_changed_rows(cbt, list(map(_CROSS, seqs)), held[1])
+        held = ([], [])
+    scatter_changed_rows(bt, list(map(_BLOCKS, seqs)), held[0])
+    scatter_changed_rows(cbt, list(map(_CROSS, seqs)), held[1])
     if fill is not None:
         k = len(fill[0])
         h64[4 * B:4 * B + k] = fill[0]
@@ -240,9 +240,6 @@ def fill_staging(h64: np.ndarray, h32: np.ndarray, seqs, B: int, tpb: int, self_
     h64[B:B + n] = pos
     h32[B + 1:B + 1 + n] = pos + 1                    # seq_len: one token fed
     h32[2 * B + 1:2 * B + 1 + n] = np.fromiter(map(_ENC_LEN, seqs), np.int64, n)
-    if held is None:
-        scatter_rows(bt, list(map(_BLOCKS, seqs)))
-        scatter_rows(cbt, list(map(_CROSS, seqs)))
     h64[2 * B:2 * B + n] = bt[np.arange(n), pos // tpb].astype(np.int64) * tpb + pos % tpb   # self slots
 
 
