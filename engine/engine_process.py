@@ -340,8 +340,7 @@ def _serve_commands(llm, conn, sender: _ChildSender, clients: _Clients, first: b
                 for t in tracked:
                     clients.owner[t.request.request_id] = sender
             try:
-                for t in tracked:
-                    llm._submit(t)
+                llm._submit_all(tracked)     # one engine command: admitted between the same two steps
             except RuntimeError as e:
                 sender.send_later(("reply", call_id, False, _portable(e)))
                 continue
