@@ -5,6 +5,7 @@
 #   bash bench/scripts/gpu_session.sh stage 2          # carry .m2 (the next call, straight after)
 #   bash bench/scripts/gpu_session.sh stage 3 fp8acc   # carry .m3 .speech .whl: assemble, FP8-KV accuracy
 #   bash bench/scripts/gpu_session.sh tests            # pytest -m gpu
+#   bash bench/scripts/gpu_session.sh enginetests      # its engine-level files only (TESTS_S, default 240 s)
 #   bash bench/scripts/gpu_session.sh carry longform openai/whisper-large-v3-turbo
 #                                       # carry .carryN (parts of carry_real.py pack, speech/, whl/):
 #                                       # longform_rtf.py on 8 ten-minute files; /tmp/real/whisper-base
@@ -79,6 +80,13 @@ while [ $# -gt 0 ]; do
     timeout ${LONGFORM_S:-560} python bench/scripts/longform_rtf.py --speech-dir /tmp/real/speech --model "$2" --files 8 \
         2>&1 | grep -v -i "warn\|max_new_tokens" | tee -a "$OUT/longform-$name.txt" | tail -6
     shift ;;
+  enginetests) # the engine-level GPU tests only (graphs, staging, overlap, no-sync steps; ~1/3 of the suite),
+               # to share a call with a benchmark when starting a machine is the scarce part
+    setup
+    echo "python -m pytest -m gpu -q tests/test_gpu_engine.py tests/test_sampler_gpu.py tests/test_encoder_graphs.py tests/test_encoder_beside.py tests/test_engine_process.py" >>"$OUT/commands.txt"
+    timeout ${TESTS_S:-240} python -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_engine.py tests/test_sampler_gpu.py \
+        tests/test_encoder_graphs.py tests/test_encoder_beside.py tests/test_engine_process.py >"$OUT/pytest_gpu_engine.txt" 2>&1
+    echo "pytest -m gpu (engine): exit $?"; tail -8 "$OUT/pytest_gpu_engine.txt" ;;
   tests)
     setup
     echo "python -m pytest -m gpu -q tests/" >>"$OUT/commands.txt"
