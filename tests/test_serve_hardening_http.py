@@ -65,6 +65,68 @@ def test_4_content_length_with_chunked_is_refused_and_the_connection_closed(serv
     assert_serves(server)
 
 
+class _Transport:
+    """What a uvicorn protocol writes, and whether it closed the connection."""
+
+    def __init__(self):
+        self.buf, self.closed = b"", False
+
+    def write(self, data):
+        self.buf += data
+
+    def close(self):
+        self.closed = True
+
+    def is_closing(self):
+        return self.closed
+
+    def get_extra_info(self, name, default=None):
+        return {"peername": ("127.0.0.1", 1), "sockname": ("127.0.0.1", 2)}.get(name, default)
+
+    def pause_reading(self):
+        pass
+
+    def resume_reading(self):
+        pass
+
+
+@pytest.mark.parametrize("name,data,reason", [
+    ("httptools", b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n",
+     "Content-Length"),
+    ("httptools", b"NOT A REQUEST\r\n\r\n", "method"),
+    ("h11", b"NOT A REQUEST\r\n\r\n", "request line"),
+])
+def test_4_what_the_http_parser_refuses_is_answered_in_the_api_error_format(name, data, reason):
+    # The server's default parser is httptools (installed with the serve extra), h11 without it:
+    # a request either refuses before the app sees it gets the API's JSON error, not a text/plain 400.
+    import asyncio
+
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    from enc2dec.serve.server import http_protocol
+
+    async def app(scope, receive, send):
+        raise AssertionError("the app must not see a request the parser refused")
+
+    async def feed():
+        config = uvicorn.Config(app, log_level="error")
+        config.load()
+        protocol = http_protocol(name)(config=config, server_state=ServerState(), app_state={})
+        transport = _Transport()
+        protocol.connection_made(transport)
+        protocol.data_received(data)
+        await asyncio.sleep(0)
+        return transport
+
+    transport = asyncio.run(feed())
+    head, _, body = transport.buf.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ") and b"content-type: application/json" in head.lower()
+    assert b"connection: close" in head.lower() and transport.closed
+    error = json.loads(body)["error"]
+    assert error["code"] == "bad_framing" and reason in error["message"], error
+
+
 def test_4_chunked_bodies_are_counted_whatever_the_headers_say(server):
     body = json.dumps({"prompt": "y" * (3 << 20)}).encode()
     conn = RawConnection(server.port)
