@@ -97,8 +97,8 @@ class _Transport:
     ("h11", b"NOT A REQUEST\r\n\r\n", "request line"),
 ])
 def test_4_what_the_http_parser_refuses_is_answered_in_the_api_error_format(name, data, reason):
-    # The server's default parser is httptools (installed with the serve extra), h11 without it:
-    # a request either refuses before the app sees it gets the API's JSON error, not a text/plain 400.
+    # The server's parser is httptools (installed with the serve extra), else h11: a request that
+    # either one refuses before the app sees it gets the API's JSON error, not a text/plain 400.
     import asyncio
 
     import uvicorn

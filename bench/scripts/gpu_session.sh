@@ -83,9 +83,9 @@ while [ $# -gt 0 ]; do
   enginetests) # the engine-level GPU tests only (graphs, staging, overlap, no-sync steps; ~1/3 of the suite),
                # to share a call with a benchmark when starting a machine is the scarce part
     setup
-    echo "python -m pytest -m gpu -q tests/test_gpu_engine.py tests/test_sampler_gpu.py tests/test_encoder_graphs.py tests/test_encoder_beside.py tests/test_engine_process.py" >>"$OUT/commands.txt"
-    timeout ${TESTS_S:-240} python -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_engine.py tests/test_sampler_gpu.py \
-        tests/test_encoder_graphs.py tests/test_encoder_beside.py tests/test_engine_process.py >"$OUT/pytest_gpu_engine.txt" 2>&1
+    files="tests/test_gpu_engine.py tests/test_sampler_gpu.py tests/test_encoder_graphs.py tests/test_encoder_beside.py tests/test_engine_process.py"
+    echo "python -m pytest -m gpu -q $files" >>"$OUT/commands.txt"
+    timeout ${TESTS_S:-240} python -m pytest -m gpu -q -p no:cacheprovider $files >"$OUT/pytest_gpu_engine.txt" 2>&1
     echo "pytest -m gpu (engine): exit $?"; tail -8 "$OUT/pytest_gpu_engine.txt" ;;
   tests)
     setup
