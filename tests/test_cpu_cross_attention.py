@@ -2,7 +2,9 @@
 K/V: rows whose runs of cross blocks are evenly spaced share one strided attention call, which
 must give the per-row loop's result bit for bit (and the reference's to rounding). Rows on one
 request's blocks (its beams) are that request's queries in one call: the K/V is read once, and
-the product of several queries rounds like a matrix product, not like the loop's one-row ones."""
+the product of several queries rounds like a matrix product, not like the loop's one-row ones.
+Every test runs on both pool layouts: token-major (the Triton kernels') and head-major (what
+``KVCache.allocate`` gives the torch backend), whose views must read the same positions."""
 import pytest
 import torch
 
@@ -25,11 +27,18 @@ def _meta(first_blocks: list[int], enc_lens: list[int] | None = None) -> Decoder
                            last_token_indices=torch.arange(n))
 
 
-def _pools(num_blocks: int = 80):
+@pytest.fixture(params=[False, True], ids=["token_major", "head_major"])
+def head_major(request):
+    return request.param
+
+
+def _pools(head_major: bool, num_blocks: int = 80):
     gen = torch.Generator().manual_seed(0)
-    return (torch.randn(num_blocks, TPB, HEADS, DIM, generator=gen),
-            torch.randn(num_blocks, TPB, HEADS, DIM, generator=gen),
-            torch.randn(8, HEADS, DIM, generator=gen))
+    k, v = (torch.randn(num_blocks, TPB, HEADS, DIM, generator=gen) for _ in range(2))
+    if head_major:      # the same values stored [H, blocks, T, D], seen as [blocks, T, H, D]
+        k, v = (t.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3) for t in (k, v))
+        assert k.stride(2) == num_blocks * TPB * DIM
+    return k, v, torch.randn(8, HEADS, DIM, generator=gen)
 
 
 @pytest.mark.parametrize("first_blocks, num_calls, beams", [
@@ -41,8 +50,8 @@ def _pools(num_blocks: int = 80):
     ([30, 30, 0, 0], 2, True),              # two requests' beams, the runs not in pool order
     ([0, 0, 10, 10, 20, 20], 3, True),      # three requests' beams on back-to-back runs (plan["runs"]: one call)
 ])
-def test_strided_cross_attention_equals_the_per_row_loop(first_blocks, num_calls, beams):
-    k, v, q_all = _pools()
+def test_strided_cross_attention_equals_the_per_row_loop(first_blocks, num_calls, beams, head_major):
+    k, v, q_all = _pools(head_major)
     meta = _meta(first_blocks)
     q = q_all[:len(first_blocks)]
     backend = TorchAttentionBackend()
@@ -67,8 +76,8 @@ def test_strided_cross_attention_equals_the_per_row_loop(first_blocks, num_calls
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
 
 
-def test_rows_of_different_lengths_keep_the_per_row_path():
-    k, v, q_all = _pools()
+def test_rows_of_different_lengths_keep_the_per_row_path(head_major):
+    k, v, q_all = _pools(head_major)
     meta = _meta([0, 10], [ENC_LEN, ENC_LEN - 40])
     q = q_all[:2]
     backend = TorchAttentionBackend()
@@ -95,11 +104,11 @@ def _short_meta(first_blocks: list[int], enc_len: int, self_tables: list[list[in
     ([3], True), ([0, 1, 2, 3], True), ([5, 1, 3], True),   # a text prompt's one block per request
     ([0, 1, 5, 6, 20, 22], False),                          # 3 groups: a gather and one call instead
 ])
-def test_short_encoders_of_equal_length_are_read_in_place(first_blocks, strided):
+def test_short_encoders_of_equal_length_are_read_in_place(first_blocks, strided, head_major):
     """A text encoder's K/V (here 40 positions: two blocks, the second partial) is read as a view
     of the pool when the rows fall into at most two evenly spaced groups, with the gathered
     path's result."""
-    k, v, q_all = _pools()
+    k, v, q_all = _pools(head_major)
     n = len(first_blocks)
     meta = _short_meta([2 * b for b in first_blocks], 40, [[0]] * n, [1] * n)
     q = q_all[:n]
@@ -119,11 +128,11 @@ def test_short_encoders_of_equal_length_are_read_in_place(first_blocks, strided)
     ([[0, 3], [1, 4]], [40, 50], False),                 # blocks interleaved: gathered
     ([[2], [0]], [5, 5], False),                         # rows out of pool order: gathered
 ])
-def test_decode_self_attention_reads_evenly_spaced_pages_in_place(tables, seq_lens, strided):
+def test_decode_self_attention_reads_evenly_spaced_pages_in_place(tables, seq_lens, strided, head_major):
     """A decode step's self-attention over the paged cache, with and without T5's relative bias:
     pages on evenly spaced runs of blocks are a strided view (no gather), and every layout gives
     the reference's result, each row masked to its own length."""
-    k, v, q_all = _pools()
+    k, v, q_all = _pools(head_major)
     n = len(tables)
     meta = _short_meta([0] * n, 8, tables, seq_lens)
     q = q_all[:n]

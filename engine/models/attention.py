@@ -72,7 +72,9 @@ class DecoderMetadata:
 
 @dataclass
 class LayerKV:
-    k: torch.Tensor   # [num_blocks, tokens_per_block, num_heads, head_dim]
+    # [num_blocks, tokens_per_block, num_heads, head_dim] as indexed; stored head-major for the
+    # torch backend (``KVCache.allocate``), so only the strides say which layout it is.
+    k: torch.Tensor
     v: torch.Tensor
     # FP8 pools: the float16 scale of every stored (position, head) row, [num_blocks, tokens_per_block, num_heads]
     k_scale: torch.Tensor | None = None
@@ -117,14 +119,27 @@ class KVCache:
 
     @staticmethod
     def allocate(num_layers: int, num_heads: int, head_dim: int, tokens_per_block: int,
-                 num_self_blocks: int, num_cross_blocks: int, dtype, device, fp8: bool = False) -> "KVCache":
-        """``fp8``: e4m3 pools with float16 scales (``kv_cache_config.dtype="fp8"``), else ``dtype``."""
+                 num_self_blocks: int, num_cross_blocks: int, dtype, device, fp8: bool = False,
+                 head_major: bool = False) -> "KVCache":
+        """``fp8``: e4m3 pools with float16 scales (``kv_cache_config.dtype="fp8"``), else ``dtype``.
+
+        ``head_major``: each pool is stored [num_heads, num_blocks, tokens_per_block, head_dim] and
+        handed out as the permuted view with the usual shape. A request's consecutive blocks then
+        hold each head's keys as one contiguous run, which a CPU decode step's attention streams
+        (token-major, a head's 64 values sit 2 KB apart: whisper-base's cross-attention over 1500
+        positions at 6 rows took 17.5 ms a step against 13.1 head-major, on 2 cores). The Triton
+        kernels index the token-major layout, so only the torch backend asks for it."""
         from enc2dec.kernels.reference import FP8_SCALE_DTYPE
+
+        def pool(n):
+            if head_major:
+                return pool_zeros((num_heads, n, tokens_per_block, head_dim), dtype, device).permute(1, 2, 0, 3)
+            return pool_zeros((n, tokens_per_block, num_heads, head_dim), dtype, device)
 
         def layer(n):
             shape = (n, tokens_per_block, num_heads, head_dim)
             if not fp8:
-                return LayerKV(pool_zeros(shape, dtype, device), pool_zeros(shape, dtype, device))
+                return LayerKV(pool(n), pool(n))
             k, v = (pool_zeros(shape, torch.float8_e4m3fn, device) for _ in range(2))
             k_scale, v_scale = (pool_zeros(shape[:3], FP8_SCALE_DTYPE, device) for _ in range(2))
             return LayerKV(k, v, k_scale, v_scale)

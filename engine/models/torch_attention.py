@@ -73,13 +73,12 @@ def _arithmetic_run(tables: list[list[int]]) -> tuple[int, int] | None:
 
 def _strided_pages(cache: torch.Tensor, num_seqs: int, run: tuple[int, int], length: int, dtype) -> torch.Tensor:
     """``length`` positions of each row from the blocks of ``run`` (``_arithmetic_run``), as the
-    view [S, H, length, D] of the pool that ``_gather_pages`` would copy out."""
+    view [S, H, length, D] of the pool that ``_gather_pages`` would copy out. Either pool layout
+    (``KVCache.allocate``): a block's positions follow the previous block's in both."""
     first, gap = run
-    tpb, num_heads, head_dim = cache.shape[1:]
-    row = num_heads * head_dim
-    flat = cache.view(-1, num_heads, head_dim)
-    return _as(flat.as_strided((num_seqs, num_heads, length, head_dim), (gap * tpb * row, head_dim, row, 1),
-                               flat.storage_offset() + first * tpb * row), dtype)
+    block, pos, head, dim = cache.stride()
+    return _as(cache.as_strided((num_seqs, cache.shape[2], length, cache.shape[3]), (gap * block, head, pos, dim),
+                                cache.storage_offset() + first * block), dtype)
 
 
 def _consecutive_starts(tables: list[list[int]], lens: list[int], tpb: int) -> list[int] | None:
@@ -132,6 +131,8 @@ class TorchAttentionBackend:
     """Gathers blocks and runs ``scaled_dot_product_attention``; runs anywhere."""
 
     name = "torch"
+    # KVCache.allocate's head-major pools: decode attention streams each head's keys in one run.
+    head_major_pools = True
 
     def __init__(self):
         self._enc = None     # (meta, bias_table, dtype, mask): one encoder forward's bias
