@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from enc2dec.engine import LLM, KvCacheConfig, SamplingParams
+from enc2dec.engine.models.torch_attention import TorchAttentionBackend
 from enc2dec.engine.runner import fast_linear
 from enc2dec.kernels.skinny_gemm import Prologue
 
@@ -24,6 +25,9 @@ def _request(family):
 def test_fused_norms_and_activations_decode_the_same_tokens(family, request, monkeypatch):
     path = request.getfixturevalue(family)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    # The GEMV's K/V-store epilogue writes token-major pools (the GPU's layout); the CPU's torch
+    # backend would store them head-major, where the store stays a separate op.
+    monkeypatch.setattr(TorchAttentionBackend, "head_major_pools", False)
     with LLM(path, dtype="float32", device="cpu", attn_backend="triton", max_batch_size=2,
              kv_cache_config=KvCacheConfig(cross_kv_cache_fraction=0.5, tokens_per_block=4)) as llm:
         plain = llm.generate(_request(family), params, use_tqdm=False).outputs[0].token_ids
