@@ -187,8 +187,7 @@ class ModelRunner:
                                    self.model.decoder_head_dim, self.tokens_per_block,
                                    self.kv_plan.num_self_blocks, self.kv_plan.num_cross_blocks, dtype, device,
                                    fp8=args.kv_cache_config.dtype == "fp8",
-                                   # the skinny GEMV's K/V-store epilogue writes token-major rows
-                                   head_major=getattr(self.backend, "head_major_pools", False) and not skinny)
+                                   head_major=getattr(self.backend, "head_major_pools", False))
         self.sampler = Sampler()
         self.states: dict[str, dict[int, SeqSamplingState]] = {}
         self._state_of: dict[int, SeqSamplingState] = {}  # seq_id -> state, for the seqs _register named
