@@ -167,7 +167,10 @@ _STEP_COUNTER_NAMES = {"enc2dec_engine_steps_total": "num_steps", "enc2dec_engin
 # Also read when the server exports them (older servers do not).
 _REQUEST_COUNTER_NAMES = {"enc2dec_engine_requests_finished_total": "num_finished",
                           "enc2dec_engine_first_token_seconds_total": "first_token_s",
-                          "enc2dec_engine_finish_seconds_total": "finish_s"}
+                          "enc2dec_engine_finish_seconds_total": "finish_s",
+                          "enc2dec_api_streams_total": "api_streams",
+                          **{f"enc2dec_api_{name}_seconds_total": f"api_{name}_s"
+                             for name in ("to_engine", "first_hop", "first_send", "finish_hop")}}
 
 
 def parse_step_counters(text: str) -> dict | None:

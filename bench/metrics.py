@@ -15,6 +15,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 LATENCIES = ("ttft", "tpot", "itl", "e2e")
+API_PHASE_NAMES = ("to_engine", "first_hop", "first_send", "finish_hop")
 STATS = ("mean", "p50", "p90", "p99")
 
 
@@ -106,6 +107,13 @@ class LevelMetrics:
     # engine): against mean_ttft_ms / mean_e2e_ms, the time outside it (HTTP, API processes, client)
     engine_ttft_ms: float | None = None
     engine_e2e_ms: float | None = None
+    # enc2dec serve's phases of a stream outside the engine, mean ms (serve/metrics.py API_PHASES):
+    # receipt to engine arrival, engine first token to the API process, to its first event sent,
+    # engine finish to the API process's last output
+    api_to_engine_ms: float | None = None
+    api_first_hop_ms: float | None = None
+    api_first_send_ms: float | None = None
+    api_finish_hop_ms: float | None = None
     errors: list[str] = field(default_factory=list)  # the first few distinct failure messages
     # Levels mixing request kinds (``--timestamps-every``): each kind's share, and the plain one's
     plain_out_tok_per_s: float | None = None
@@ -134,7 +142,7 @@ def metric_names() -> list[str]:
             "input_tokens", "output_tokens", *flat, "audio_s", "rtf", "peak_gpu_mem_gib",
             "kv_self_blocks_peak", "kv_cross_blocks_peak", "num_preemptions", "plain_out_tok_per_s",
             "engine_steps", "engine_step_ms", "engine_rows_per_step", "engine_device_wait_frac",
-            "engine_ttft_ms", "engine_e2e_ms"]
+            "engine_ttft_ms", "engine_e2e_ms", *(f"api_{p}_ms" for p in API_PHASE_NAMES)]
 
 
 def step_extras(before: dict | None, after: dict | None) -> dict:
@@ -155,6 +163,12 @@ def step_extras(before: dict | None, after: dict | None) -> dict:
         if done > 0:
             out["engine_ttft_ms"] = 1000.0 * (after["first_token_s"] - before["first_token_s"]) / done
             out["engine_e2e_ms"] = 1000.0 * (after["finish_s"] - before["finish_s"]) / done
+    streams = after.get("api_streams", 0) - before.get("api_streams", 0)
+    if streams > 0:
+        for p in API_PHASE_NAMES:
+            key = f"api_{p}_s"
+            if key in before and key in after:
+                out[f"api_{p}_ms"] = 1000.0 * (after[key] - before[key]) / streams
     return out
 
 

@@ -15,7 +15,7 @@ from rich.table import Table
 
 from .errors import BenchInputError
 from .loop import Progress
-from .metrics import LevelMetrics
+from .metrics import API_PHASE_NAMES, LevelMetrics
 
 SCHEMA = "enc2dec.bench/v1"
 # (metric, higher is better): ratios are engine / baseline for throughputs and
@@ -59,11 +59,13 @@ def results_table(levels: list[LevelMetrics], title: str) -> Table:
     has_mem = any(lv.peak_gpu_mem_gib is not None for lv in levels)
     has_steps = any(lv.engine_steps for lv in levels)
     has_engine_times = any(lv.engine_e2e_ms is not None for lv in levels)
+    has_api = any(lv.api_to_engine_ms is not None for lv in levels)
     t = Table(title=title, title_justify="left")
     cols = ["backend", "C", "ok/fail", "req/s", "out tok/s", "total tok/s", "TTFT mean/p99", "TPOT mean",
             "ITL p50/p99", "E2E p50/p99"]
     cols += ["RTF"] * is_audio + ["KV peak self/cross"] * has_kv + ["GPU GiB"] * has_mem
     cols += ["step ms / rows / wait"] * has_steps + ["in engine TTFT/E2E"] * has_engine_times
+    cols += ["API in / 1st hop / send / last hop"] * has_api
     for c in cols:
         t.add_column(c, justify="left" if c == "backend" else "right", no_wrap=True)
     for lv in levels:
@@ -80,6 +82,8 @@ def results_table(levels: list[LevelMetrics], title: str) -> Table:
             row.append(_step_cell(lv))
         if has_engine_times:
             row.append(f"{_f(lv.engine_ttft_ms)} / {_f(lv.engine_e2e_ms)}")
+        if has_api:
+            row.append(" / ".join(_f(getattr(lv, f"api_{p}_ms"), 2) for p in API_PHASE_NAMES))
         t.add_row(*row, style="red" if lv.failed else None)
     t.caption = "latencies in ms; definitions in docs/bench.md"
     return t

@@ -6,6 +6,9 @@ response carries ``usage``: the plain one always, a stream on its last chunk (or
 """
 from __future__ import annotations
 
+import functools
+import time
+
 from fastapi import Request, Response
 
 from .errors import APIError, bad_request
@@ -68,14 +71,17 @@ def register(app, front, config) -> None:
                               "model")
         front.check_size(len(prompts) * body.sequences_per_prompt)      # before any tokenising
         body.check_against_model(front.info.vocab_size if front.info is not None else None)
-        if front.is_ready:
-            await front.run_input(check_prompt_lengths, front, prompts)
+        check = functools.partial(check_prompt_lengths, front, prompts) if front.is_ready else None
         rid, created, name = new_id("cmpl"), now_s(), body.model or config.model_name
         fmt = LogprobFormatter(front.llm.tokenizer if front.llm is not None else None)
         try:
             if body.stream:
-                batch = await front.submit(prompts, params, streaming=True)
-                return event_stream(request, batch, _events(front, batch, body, rid, created, name, fmt))
+                # The length check runs in the first prompt's input job: one hop to the pool, not two.
+                batch = await front.submit(prompts, params, streaming=True, check=check)
+                received = request.scope.get("enc2dec.received")
+                return event_stream(request, batch, _events(front, batch, body, rid, created, name, fmt, received))
+            if check is not None:
+                await front.run_input(check)
             outs = await unless_disconnected(request, front.generate(prompts, params))
         except ClientGone:
             return Response(status_code=499)
@@ -100,12 +106,16 @@ def _usage(outs) -> dict:
                  sum(len(c.token_ids) for o in outs for c in o.outputs))
 
 
-async def _events(front, batch, body: CompletionRequest, rid, created, model, fmt):
+async def _events(front, batch, body: CompletionRequest, rid, created, model, fmt, received: float | None = None):
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     sent_text: dict[int, str] = {}
     sent_tokens: dict[int, int] = {}
     finished_choices: set[int] = set()
     finals: dict[int, object] = {}
+    # Per prompt: when this process had its first output and sent its first event (the phases
+    # ServeMetrics.observe_stream sums).
+    first_out: dict[int, float] = {}
+    first_sent: dict[int, float] = {}
 
     def chunk(choices: list, **extra) -> dict:
         c = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
@@ -114,10 +124,12 @@ async def _events(front, batch, body: CompletionRequest, rid, created, model, fm
         return {**c, **extra}
 
     async for i, out in batch.stream():
+        now = time.monotonic()
         if out.error:
             for event in failed_stream_events(front, out):
                 yield event
             return
+        first_out.setdefault(i, now)
         pending = []
         for c in out.outputs:
             key = i * body.n + c.index
@@ -147,6 +159,10 @@ async def _events(front, batch, body: CompletionRequest, rid, created, model, fm
                 pending.append(chunk([], usage=_usage(list(finals.values()))))
         for c in pending:
             yield sse(c)
+        if pending and i not in first_sent:
+            first_sent[i] = time.monotonic()
+        if out.finished and received is not None:
+            front.observe_stream(received, out, first_out[i], first_sent.get(i, first_out[i]), now)
     if batch.cut_reason:
         yield sse_error(503, batch.cut_reason, "server_shutdown")
         yield SSE_DONE

@@ -179,12 +179,13 @@ class EngineFront:
         """``fn(*args)`` in the input pool (tokenising, audio decoding, features): never on the loop."""
         return asyncio.get_running_loop().run_in_executor(self.input_pool, fn, *args)
 
-    async def _submit(self, prompt, params, streaming: bool):
-        """``generate_async`` in the input pool (it tokenises or computes audio features).
+    async def _submit(self, prompt, params, streaming: bool, check=None):
+        """``generate_async`` in the input pool (it tokenises or computes audio features), after
+        ``check()`` when given (its APIError refuses the request before anything is added).
         A ValueError is the user's mistake (400); a dead engine is a 500."""
         llm = self.llm
         try:
-            task = asyncio.ensure_future(self.run_input(llm.generate_async, prompt, params, streaming))
+            task = asyncio.ensure_future(self.run_input(_checked_add, check, llm, prompt, params, streaming))
             try:
                 return await asyncio.shield(task)
             except asyncio.CancelledError:       # the client left while we prepared the input
@@ -203,15 +204,19 @@ class EngineFront:
             self.state, self.error = "failed", str(e)
             raise APIError(500, f"engine error: {e}", code="engine_error") from None
 
-    async def submit(self, prompts: list, params, streaming: bool) -> Batch:
-        """Submit every prompt, all or none: a bad one aborts those already in (400 names it)."""
+    async def submit(self, prompts: list, params, streaming: bool, check=None) -> Batch:
+        """Submit every prompt, all or none: a bad one aborts those already in (400 names it).
+        ``check()`` (e.g. prompt lengths) runs in the input pool before the first add."""
         seqs_each = params.beam_width if params.use_beam_search else params.n
         self.check_accepting(len(prompts) * seqs_each)
         batch = Batch(self, len(prompts), len(prompts) * seqs_each)
         try:
+            if check is not None and len(prompts) > 1:
+                await self.run_input(check)     # its errors name their prompt already
+                check = None
             for i, prompt in enumerate(prompts):
                 try:
-                    batch.handles.append(await self._submit(prompt, params, streaming))
+                    batch.handles.append(await self._submit(prompt, params, streaming, check))
                 except APIError as e:
                     if len(prompts) > 1 and e.status == 400:
                         e.message = f"prompt {i}: {e.message}"
@@ -238,6 +243,10 @@ class EngineFront:
             self.metrics.generation_tokens.inc(num_tokens)
             self.metrics.e2e.observe(seconds)
 
+    def observe_stream(self, received: float, out, first_out: float, first_sent: float, last_out: float) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_stream(received, out, first_out, first_sent, last_out)
+
     def finish(self, out) -> None:
         """Record a final output; raise a 500 when the engine failed the request."""
         if self.metrics is not None:
@@ -258,6 +267,12 @@ class EngineFront:
         for out in outs:
             self.finish(out)
         return outs
+
+
+def _checked_add(check, llm, prompt, params, streaming: bool):
+    if check is not None:
+        check()
+    return llm.generate_async(prompt, params, streaming)
 
 
 class Batch:

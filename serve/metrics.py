@@ -18,6 +18,14 @@ TTFT_BUCKETS_S = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 3
 E2E_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
+API_PHASES = {
+    "to_engine": "Server receipt of a streamed request to its arrival in the engine, summed",
+    "first_hop": "Engine first token to the API process having it, summed over streams",
+    "first_send": "The API process having the first token to its event handed to the transport, summed",
+    "finish_hop": "Engine finish to the API process having the last output, summed over streams",
+}
+
+
 class ServeMetrics:
     def __init__(self, model_name: str, engine_stats: Callable[[], dict | None], num_in_flight: Callable[[], int]):
         from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
@@ -52,7 +60,26 @@ class ServeMetrics:
                               buckets=TTFT_BUCKETS_S, registry=reg)
         self.e2e = Histogram("enc2dec_e2e_request_latency_seconds", "Arrival to last output token",
                              buckets=E2E_BUCKETS_S, registry=reg)
+        # Where a streamed request's time goes outside the engine, summed over streams (bench --url
+        # divides by the count): the server's receipt to the engine's arrival (body, validation,
+        # tokenising, the hop to the engine), the engine's first token to this process having it,
+        # to its first event handed to the transport, and the engine's finish to this process
+        # having the last output. A client's TTFT less these and the engine's own: the client's part.
+        self.api_streams = Counter("enc2dec_api_streams", "Streamed engine requests whose phases below were "
+                                   "recorded", registry=reg)
+        self.api_phases = {name: Counter(f"enc2dec_api_{name}_seconds", doc, registry=reg)
+                           for name, doc in API_PHASES.items()}
         self.registry.register(_EngineCollector(model_name, engine_stats, num_in_flight))
+
+    def observe_stream(self, received: float, out, first_out: float, first_sent: float, last_out: float) -> None:
+        """One finished stream's phases (time.monotonic() seconds, the engine's clock too)."""
+        m = out.metrics
+        if not m.arrival_time or m.first_token_time is None or m.finished_time is None:
+            return
+        self.api_streams.inc()
+        for name, value in (("to_engine", m.arrival_time - received), ("first_hop", first_out - m.first_token_time),
+                            ("first_send", first_sent - first_out), ("finish_hop", last_out - m.finished_time)):
+            self.api_phases[name].inc(max(0.0, value))
 
     def sync_in_flight(self, num: int) -> None:
         """Multi-process: this process's requests in flight, for the summed gauge."""

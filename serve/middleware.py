@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import time
 import uuid
 
 from .errors import error_json
@@ -53,6 +54,7 @@ class ServeMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        scope["enc2dec.received"] = time.monotonic()    # a stream's phases start here (ServeMetrics.observe_stream)
         path = scope["path"]
         endpoint = path if path in KNOWN_ENDPOINTS else "other"
         state = {"status": None, "complete": False}

@@ -148,6 +148,14 @@ def test_bench_url_reports_the_servers_engine_steps(server, tmp_path):
     # The engine's own request times: inside what the client waited, the rest is HTTP and the API side.
     assert 0 < lv["engine_ttft_ms"] <= lv["mean_ttft_ms"]
     assert lv["engine_ttft_ms"] <= lv["engine_e2e_ms"] <= lv["mean_e2e_ms"]
+    # Text requests stream: the server's phases of each stream outside the engine (before it, the
+    # first token's way out, after the finish) lie inside what the client measured.
+    phases = [lv[f"api_{p}_ms"] for p in ("to_engine", "first_hop", "first_send", "finish_hop")]
+    assert all(p is not None and p >= 0 for p in phases), phases
+    to_engine, first_hop, first_send, finish_hop = phases
+    assert to_engine > 0                  # validation and the hop to the engine take some time
+    assert to_engine + lv["engine_ttft_ms"] + first_hop + first_send <= lv["mean_ttft_ms"]
+    assert to_engine + lv["engine_e2e_ms"] + finish_hop <= lv["mean_e2e_ms"]
 
 
 @pytest.mark.parametrize("body, status, param, needle", [
