@@ -7,6 +7,7 @@
 #   serve    enc2dec serve flan-t5-large (dummy, loopback, in the background, waited for /health) with
 #            serve's default (auto) and --api-processes 1 (SERVE_API), each + bench --url --streaming at C=64,
 #            against sampled's greedy in-process figure
+#   pairs    in-process greedy and serve (auto) alternating PAIRS times (default 2), a ratio per pair
 #   stream   flan-t5-large greedy in-process with --streaming: what a stream costs the engine
 #            itself, the in-process side of serve's figure
 #   warm     a short flan-t5-large run first, not compared: a freshly started machine stalls its first
@@ -171,6 +172,11 @@ for section in $SECTIONS; do
     run wh-detect $LIMIT $WHRUN --detect-language
     run wh-mixed $LIMIT $WHRUN --timestamps-every $MIX ;;
   serve) for a in ${SERVE_API:-auto 1}; do serve_bench "$a"; done ;;
+  pairs)   # in-process greedy and serve (auto) alternating, PAIRS times: the ratio's spread on one machine
+    for k in $(seq "${PAIRS:-2}"); do
+      run t5-greedy-p$k $LIMIT $T5RUN
+      SERVE_TAG=-p$k serve_bench auto
+    done ;;
   wh-instep) RUN_ENV=ENC2DEC_ENCODER_BESIDE_DECODER=0 run wh-plain-instep $LIMIT $WHRUN ;;
   desync-ab)   # lengths spread (arrivals out of step), the encoder beside the decoder and inside the step
     RUN_ENV=ENC2DEC_ENCODER_BESIDE_DECODER=1 run t5-desync-beside $LIMIT $T5RUN --output-dist uniform
@@ -213,7 +219,7 @@ def num(v, fmt="{:,.0f}"):
 
 # step: the engine's own mean step ms / decoder rows per step / share of step time waiting for the GPU
 print(f"\n{'run':<17}{'backend':<12}{'C':>4}{'out tok/s':>11}{'TPOT ms':>9}{'TTFT ms':>9}{'ITL p50/p99':>14}{'fail':>5}"
-      f"{'step ms/rows/wait':>20}{'eng TTFT/E2E':>14}")
+      f"{'step ms/rows/wait':>20}{'eng TTFT/E2E':>14}  api in/1st hop/send/last hop")
 for p in sorted(work.glob("*.json")):
     for lv in json.loads(p.read_text())["levels"]:
         itl = f"{num(lv.get('p50_itl_ms'), '{:.1f}')}/{num(lv.get('p99_itl_ms'), '{:.1f}')}"
@@ -221,9 +227,11 @@ for p in sorted(work.glob("*.json")):
             f"{lv['engine_step_ms']:.2f}/{lv['engine_rows_per_step']:.1f}/{num(lv.get('engine_device_wait_frac'), '{:.0%}')}")
         # the engine's own mean arrival->first token / arrival->finish of the requests it finished
         eng = "-" if lv.get("engine_e2e_ms") is None else f"{lv['engine_ttft_ms']:.0f}/{lv['engine_e2e_ms']:.0f}"
+        # serve's phases of a stream outside the engine (docs/bench.md), mean ms
+        api = "/".join(num(lv.get(f"api_{k}_ms"), "{:.1f}") for k in ("to_engine", "first_hop", "first_send", "finish_hop"))
         print(f"{p.stem:<17}{lv['backend']:<12}{lv['concurrency']:>4}{num(lv['out_tok_per_s']):>11}"
               f"{num(lv['mean_tpot_ms'], '{:.2f}'):>9}{num(lv['mean_ttft_ms'], '{:.0f}'):>9}{itl:>14}{lv['failed']:>5}"
-              f"{step:>20}{eng:>14}")
+              f"{step:>20}{eng:>14}  {api}")
 for name in sorted(skipped):
     print(f"{name:<14}skipped: the call's time budget was spent")
 
@@ -248,6 +256,8 @@ rows = [
     ("  --api-processes auto (the default)", ratio(level("http-stream-aauto"), level("t5-greedy")), 0.90),
     ("  auto / in-process --streaming", ratio(level("http-stream-aauto"), level("t5-stream")), 0.90),
     ("in-process --streaming / greedy", ratio(level("t5-stream"), level("t5-greedy")), 0.90),
+    *[(f"serve / in-process, pair {p.stem[11:]}", ratio(level(f"http-stream-aauto-p{p.stem[11:]}"), level(p.stem)), 0.90)
+      for p in sorted(work.glob("t5-greedy-p*.json"))],
     ("serve / in-process, lengths spread", ratio(level("http-stream-aauto-desync"), level("t5-desync")), 0.90),
     ("in-process lengths spread / fixed", ratio(level("t5-desync"), level("t5-greedy")), 1.0),
     ("turbo unbounded encoder / turbo", ratio(level("turbo-unbounded"), level("turbo-hfc", conc=c)), 1.0),
