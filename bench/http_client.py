@@ -98,6 +98,7 @@ class HttpTarget:
         if self.beam_width > 1:
             body.update(use_beam_search=True, best_of=self.beam_width, n=1)
         async with self.client.stream("POST", "/v1/completions", json=body) as resp:
+            rec.headers_s = time.monotonic()
             if resp.status_code != 200:
                 rec.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:300]}"
                 return
@@ -169,6 +170,8 @@ _REQUEST_COUNTER_NAMES = {"enc2dec_engine_requests_finished_total": "num_finishe
                           "enc2dec_engine_first_token_seconds_total": "first_token_s",
                           "enc2dec_engine_finish_seconds_total": "finish_s",
                           "enc2dec_api_streams_total": "api_streams",
+                          "enc2dec_api_loop_ticks_total": "api_loop_ticks",
+                          "enc2dec_api_loop_lag_seconds_total": "api_loop_lag_s",
                           **{f"enc2dec_api_{name}_seconds_total": f"api_{name}_s"
                              for name in ("to_engine", "first_hop", "first_send", "finish_hop")}}
 

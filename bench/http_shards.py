@@ -59,10 +59,48 @@ def _shard(target_args: tuple, reqs: list[BenchRequest], concurrency: int, num_r
         delay = start_at - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
-        records, _ = await closed_loop(_target.send, reqs, concurrency, num_requests, duration_s)
-        return records
+        lags: list[float] = []
+        watch = asyncio.ensure_future(_watch_loop(lags))
+        cpu0, wall0 = time.process_time(), time.monotonic()
+        try:
+            records, _ = await closed_loop(_target.send, reqs, concurrency, num_requests, duration_s)
+        finally:
+            watch.cancel()
+        wall = time.monotonic() - wall0
+        return records, ClientLoad((time.process_time() - cpu0) / wall if wall > 0 else 0.0, lags)
 
     return _loop.run_until_complete(run())
+
+
+LAG_TICK_S = 0.001
+
+
+class ClientLoad:
+    """How busy one client process was over a level: its CPU time over wall time, and how late
+    its event loop ran a 1 ms timer (``lags``, seconds). A loop that runs its timers late also
+    reads its streams late: that delay is in the level's TTFT and ITL, and is the client's, not
+    the server's."""
+
+    def __init__(self, cpu_frac: float, lags: list[float]):
+        self.cpu_frac, self.lags = cpu_frac, lags
+
+
+async def _watch_loop(lags: list[float]) -> None:
+    while True:
+        t = time.monotonic()
+        await asyncio.sleep(LAG_TICK_S)
+        lags.append(max(0.0, time.monotonic() - t - LAG_TICK_S))
+
+
+def client_load_extras(loads: list[ClientLoad]) -> dict:
+    """The level's client figures: the busiest process's CPU share, the mean and p99 timer lag
+    over all processes (ms)."""
+    lags = sorted(x for load in loads for x in load.lags)
+    if not loads or not lags:
+        return {}
+    return {"client_cpu_frac": max(load.cpu_frac for load in loads),
+            "client_lag_ms": 1000.0 * sum(lags) / len(lags),
+            "client_lag_p99_ms": 1000.0 * lags[min(len(lags) - 1, int(0.99 * len(lags)))]}
 
 
 class ShardedClients:
@@ -72,6 +110,7 @@ class ShardedClients:
         self.num = num
         self.target_args = target_args
         self.pool = concurrent.futures.ProcessPoolExecutor(num, mp_context=multiprocessing.get_context("spawn"))
+        self.last_load: dict = {}        # the last level's client_load_extras
 
     def run(self, reqs: list[BenchRequest], concurrency: int, num_requests: int | None,
             duration_s: float | None, progress=None) -> tuple[list[RequestRecord], float]:
@@ -85,11 +124,14 @@ class ShardedClients:
         futures = [self.pool.submit(_shard, self.target_args, reqs[i::len(shares)] or reqs, c, n, duration_s,
                                     start_at) for i, (c, n) in enumerate(zip(shares, counts))]
         records: list[RequestRecord] = []
+        loads: list[ClientLoad] = []
         for f in concurrent.futures.as_completed(futures):
-            part = f.result()
+            part, load = f.result()
             records.extend(part)
+            loads.append(load)
             if progress is not None:
                 progress.advance(len(part))
+        self.last_load = client_load_extras(loads)
         start = min((r.start_s for r in records), default=start_at)
         end = max((r.end_s for r in records), default=start)
         return records, end - start
@@ -113,7 +155,7 @@ class ShardedHttpTarget:
         await self._target.begin_level()
 
     async def end_level(self) -> dict:
-        return await self._target.end_level()
+        return {**await self._target.end_level(), **self._clients.last_load}
 
     async def closed_loop(self, reqs, concurrency, num_requests, duration_s, progress=None):
         return await asyncio.to_thread(self._clients.run, list(reqs), concurrency, num_requests, duration_s,

@@ -30,6 +30,7 @@ class RequestRecord:
     error: str | None = None
     num_preemptions: int = 0
     kind: str = "plain"                               # the request's BenchRequest.kind
+    headers_s: float | None = None                    # --url: the response's headers arrived
 
     @property
     def ok(self) -> bool:
@@ -114,6 +115,13 @@ class LevelMetrics:
     api_first_hop_ms: float | None = None
     api_first_send_ms: float | None = None
     api_finish_hop_ms: float | None = None
+    # --url with client processes: the busiest one's CPU share and the client loops' lag running a
+    # 1 ms timer, mean and p99 (bench/http_shards.py): a busy client delays its own readings
+    api_loop_lag_ms: float | None = None             # how late serve's API event loops ran a 10 ms timer, mean
+    client_headers_ms: float | None = None           # --url: mean time from send to the response's headers
+    client_cpu_frac: float | None = None
+    client_lag_ms: float | None = None
+    client_lag_p99_ms: float | None = None
     errors: list[str] = field(default_factory=list)  # the first few distinct failure messages
     # Levels mixing request kinds (``--timestamps-every``): each kind's share, and the plain one's
     plain_out_tok_per_s: float | None = None
@@ -142,7 +150,8 @@ def metric_names() -> list[str]:
             "input_tokens", "output_tokens", *flat, "audio_s", "rtf", "peak_gpu_mem_gib",
             "kv_self_blocks_peak", "kv_cross_blocks_peak", "num_preemptions", "plain_out_tok_per_s",
             "engine_steps", "engine_step_ms", "engine_rows_per_step", "engine_device_wait_frac",
-            "engine_ttft_ms", "engine_e2e_ms", *(f"api_{p}_ms" for p in API_PHASE_NAMES)]
+            "engine_ttft_ms", "engine_e2e_ms", *(f"api_{p}_ms" for p in API_PHASE_NAMES),
+            "api_loop_lag_ms", "client_headers_ms", "client_cpu_frac", "client_lag_ms", "client_lag_p99_ms"]
 
 
 def step_extras(before: dict | None, after: dict | None) -> dict:
@@ -163,6 +172,9 @@ def step_extras(before: dict | None, after: dict | None) -> dict:
         if done > 0:
             out["engine_ttft_ms"] = 1000.0 * (after["first_token_s"] - before["first_token_s"]) / done
             out["engine_e2e_ms"] = 1000.0 * (after["finish_s"] - before["finish_s"]) / done
+    ticks = after.get("api_loop_ticks", 0) - before.get("api_loop_ticks", 0)
+    if ticks > 0 and "api_loop_lag_s" in before and "api_loop_lag_s" in after:
+        out["api_loop_lag_ms"] = 1000.0 * (after["api_loop_lag_s"] - before["api_loop_lag_s"]) / ticks
     streams = after.get("api_streams", 0) - before.get("api_streams", 0)
     if streams > 0:
         for p in API_PHASE_NAMES:
@@ -203,6 +215,9 @@ def compute_level(backend: str, concurrency: int, records: list[RequestRecord], 
     }
     errors = list(dict.fromkeys(r.error for r in records if not r.ok))[:5]
     groups = _groups(ok, duration_s)
+    headers = [r.headers_s - r.start_s for r in ok if r.headers_s is not None]
+    if headers and "client_headers_ms" not in extra:
+        extra["client_headers_ms"] = 1000.0 * sum(headers) / len(headers)
     return LevelMetrics(
         backend=backend, concurrency=concurrency, num_requests=len(records), completed=len(ok),
         failed=len(records) - len(ok), duration_s=duration_s, req_per_s=len(ok) / duration_s,

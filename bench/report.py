@@ -60,12 +60,13 @@ def results_table(levels: list[LevelMetrics], title: str) -> Table:
     has_steps = any(lv.engine_steps for lv in levels)
     has_engine_times = any(lv.engine_e2e_ms is not None for lv in levels)
     has_api = any(lv.api_to_engine_ms is not None for lv in levels)
+    has_client = any(lv.client_lag_ms is not None or lv.client_headers_ms is not None for lv in levels)
     t = Table(title=title, title_justify="left")
     cols = ["backend", "C", "ok/fail", "req/s", "out tok/s", "total tok/s", "TTFT mean/p99", "TPOT mean",
             "ITL p50/p99", "E2E p50/p99"]
     cols += ["RTF"] * is_audio + ["KV peak self/cross"] * has_kv + ["GPU GiB"] * has_mem
     cols += ["step ms / rows / wait"] * has_steps + ["in engine TTFT/E2E"] * has_engine_times
-    cols += ["API in / 1st hop / send / last hop"] * has_api
+    cols += ["API in / 1st hop / send / last hop (loop lag)"] * has_api + ["client CPU / lag mean/p99 / headers"] * has_client
     for c in cols:
         t.add_column(c, justify="left" if c == "backend" else "right", no_wrap=True)
     for lv in levels:
@@ -83,7 +84,11 @@ def results_table(levels: list[LevelMetrics], title: str) -> Table:
         if has_engine_times:
             row.append(f"{_f(lv.engine_ttft_ms)} / {_f(lv.engine_e2e_ms)}")
         if has_api:
-            row.append(" / ".join(_f(getattr(lv, f"api_{p}_ms"), 2) for p in API_PHASE_NAMES))
+            row.append(" / ".join(_f(getattr(lv, f"api_{p}_ms"), 2) for p in API_PHASE_NAMES)
+                       + f" (loop lag {_f(lv.api_loop_lag_ms, 2)})")
+        if has_client:
+            cpu = "-" if lv.client_cpu_frac is None else f"{100.0 * lv.client_cpu_frac:.0f}%"
+            row.append(f"{cpu} / {_f(lv.client_lag_ms, 2)} / {_f(lv.client_lag_p99_ms, 2)} / {_f(lv.client_headers_ms, 1)}")
         t.add_row(*row, style="red" if lv.failed else None)
     t.caption = "latencies in ms; definitions in docs/bench.md"
     return t

@@ -58,9 +58,11 @@ def build_app(config: ServeConfig, make_llm: Callable[[], Any] | None = None, ll
     @asynccontextmanager
     async def lifespan(app):
         loading = asyncio.ensure_future(front.start())
+        watch = asyncio.ensure_future(metrics.watch_loop())
         try:
             yield
         finally:
+            watch.cancel()
             front.begin_drain()
             await asyncio.shield(loading)       # a load in progress cannot be interrupted
             await front.shutdown()

@@ -11,6 +11,7 @@ process refreshes on uvicorn's tick, summed over the live processes.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 
 # Seconds: CPU tests sit at the low end, 30 s Whisper windows on a busy GPU at the high end.
@@ -18,6 +19,7 @@ TTFT_BUCKETS_S = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 3
 E2E_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
+LOOP_TICK_S = 0.01
 API_PHASES = {
     "to_engine": "Server receipt of a streamed request to its arrival in the engine, summed",
     "first_hop": "Engine first token to the API process having it, summed over streams",
@@ -69,7 +71,22 @@ class ServeMetrics:
                                    "recorded", registry=reg)
         self.api_phases = {name: Counter(f"enc2dec_api_{name}_seconds", doc, registry=reg)
                            for name, doc in API_PHASES.items()}
+        # How late this process's event loop runs a 10 ms timer: every stream's events and every new
+        # request wait behind whatever the loop is doing, and no per-request phase shows that wait.
+        self.loop_ticks = Counter("enc2dec_api_loop_ticks", "Ticks of the API event loop's 10 ms lag timer",
+                                  registry=reg)
+        self.loop_lag = Counter("enc2dec_api_loop_lag_seconds", "How late the API event loop ran its 10 ms timer, "
+                                "summed over ticks", registry=reg)
         self.registry.register(_EngineCollector(model_name, engine_stats, num_in_flight))
+
+    async def watch_loop(self, tick_s: float = LOOP_TICK_S) -> None:
+        import asyncio
+
+        while True:
+            t = time.monotonic()
+            await asyncio.sleep(tick_s)
+            self.loop_ticks.inc()
+            self.loop_lag.inc(max(0.0, time.monotonic() - t - tick_s))
 
     def observe_stream(self, received: float, out, first_out: float, first_sent: float, last_out: float) -> None:
         """One finished stream's phases (time.monotonic() seconds, the engine's clock too)."""

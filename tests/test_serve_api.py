@@ -156,6 +156,9 @@ def test_bench_url_reports_the_servers_engine_steps(server, tmp_path):
     assert to_engine > 0                  # validation and the hop to the engine take some time
     assert to_engine + lv["engine_ttft_ms"] + first_hop + first_send <= lv["mean_ttft_ms"]
     assert to_engine + lv["engine_e2e_ms"] + finish_hop <= lv["mean_e2e_ms"]
+    # The response's headers leave after the add: the client sees them after the server's receipt phase.
+    assert to_engine <= lv["client_headers_ms"] <= lv["mean_ttft_ms"]
+    assert lv["api_loop_lag_ms"] is not None and lv["api_loop_lag_ms"] >= 0
 
 
 @pytest.mark.parametrize("body, status, param, needle", [

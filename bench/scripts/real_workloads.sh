@@ -7,6 +7,8 @@
 #   serve    enc2dec serve flan-t5-large (dummy, loopback, in the background, waited for /health) with
 #            serve's default (auto) and --api-processes 1 (SERVE_API), each + bench --url --streaming at C=64,
 #            against sampled's greedy in-process figure
+#            (SERVE_BENCH_ARGS: more bench flags for the --url runs, e.g. --client-processes 8; SERVE_TAG
+#            names the runs)
 #   pairs    in-process greedy and serve (auto) alternating PAIRS times (default 2), a ratio per pair
 #   stream   flan-t5-large greedy in-process with --streaming: what a stream costs the engine
 #            itself, the in-process side of serve's figure
@@ -123,7 +125,7 @@ PY
     # bench's default client processes (one per 16 streams): one Python client would itself cap
     # the figure near 20k tok/s (bench/http_shards.py).
     run http-stream-a$api${SERVE_TAG:-} $LIMIT --url "http://127.0.0.1:$port" --streaming --quiet --warmup 1 $TXT \
-        --concurrency "$C" --num-requests "$NUM"
+        --concurrency "$C" --num-requests "$NUM" ${SERVE_BENCH_ARGS:-}
   else
     echo "serve: not healthy within ${SERVE_WAIT_S:-150} s; last lines of serve-a$api.log:"; tail -5 "$WORK/serve-a$api.log"
   fi
@@ -229,6 +231,12 @@ for p in sorted(work.glob("*.json")):
         eng = "-" if lv.get("engine_e2e_ms") is None else f"{lv['engine_ttft_ms']:.0f}/{lv['engine_e2e_ms']:.0f}"
         # serve's phases of a stream outside the engine (docs/bench.md), mean ms
         api = "/".join(num(lv.get(f"api_{k}_ms"), "{:.1f}") for k in ("to_engine", "first_hop", "first_send", "finish_hop"))
+        if lv.get("api_loop_lag_ms") is not None:   # serve's API event loops: mean lag of a 10 ms timer
+            api += f" lag {lv['api_loop_lag_ms']:.2f}"
+        if lv.get("client_lag_ms") is not None:     # the client processes: busiest CPU share, timer lag mean/p99
+            api += f"  client {lv['client_cpu_frac']:.0%} {lv['client_lag_ms']:.2f}/{lv['client_lag_p99_ms']:.2f}"
+        if lv.get("client_headers_ms") is not None:  # the client's send to the response's headers, mean
+            api += f" hdr {lv['client_headers_ms']:.1f}"
         print(f"{p.stem:<17}{lv['backend']:<12}{lv['concurrency']:>4}{num(lv['out_tok_per_s']):>11}"
               f"{num(lv['mean_tpot_ms'], '{:.2f}'):>9}{num(lv['mean_ttft_ms'], '{:.0f}'):>9}{itl:>14}{lv['failed']:>5}"
               f"{step:>20}{eng:>14}  {api}")
