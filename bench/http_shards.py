@@ -22,14 +22,18 @@ from .loop import closed_loop
 from .metrics import RequestRecord
 from .workloads import BenchRequest
 
-TOKENS_PER_PROCESS_CONCURRENCY = 16    # auto: one client process per 16 streams in flight
+# auto: one client process per 8 streams in flight. At 16 a process streaming flan-t5-large at
+# C=64 on an H100 ran at 67% CPU with its loop 3.3 ms late at p99, and the level read 4% below
+# the same server read by 8 processes (38% CPU each): a client past about half a core distorts
+# what it measures (docs/benchmarks.md, session 24).
+TOKENS_PER_PROCESS_CONCURRENCY = 8
 
 
 def auto_client_processes(concurrency: int) -> int:
-    """One process per 16 streams in flight, at most a quarter of the cores (the server and its
-    engine usually share the host), at least one."""
+    """One process per 8 streams in flight, at most half the cores (the server and its engine
+    usually share the host), at least one."""
     cores = os.cpu_count() or 1
-    return max(1, min(cores // 4, math.ceil(concurrency / TOKENS_PER_PROCESS_CONCURRENCY)))
+    return max(1, min(cores // 2, math.ceil(concurrency / TOKENS_PER_PROCESS_CONCURRENCY)))
 
 
 def split(total: int, parts: int) -> list[int]:

@@ -49,7 +49,7 @@ class BenchOptions:
     detect_language: bool = False
     baselines: tuple[str, ...] = ()
     url: str | None = None
-    client_processes: int | None = None     # --url: client processes (None: one per 16 streams, bench/http_shards.py)
+    client_processes: int | None = None     # --url: client processes (None: one per 8 streams, bench/http_shards.py)
     thresholds: tuple[Threshold, ...] = ()
     command: str | None = None
 

@@ -122,7 +122,7 @@ def bench(
     audio_seconds: Annotated[OptFloat, _work("Synthetic clips of this length (Whisper; default 30).")] = None,
     streaming: Annotated[bool, _work("Stream outputs and time tokens as the client receives them.")] = False,
     client_processes: Annotated[OptInt, _work("With --url: client processes sharing each level's concurrency "
-                                              "(default: one per 16 streams, at most a quarter of the cores); "
+                                              "(default: one per 8 streams, at most half the cores); "
                                               "one Python client tops out near 20k streamed tokens/s.")] = None,
     beam_width: Annotated[int, _work("Beam search with K beams per request (best_of=K, n=1; each beam is a "
                                      "decoder row); baselines run num_beams=K. 1: greedy.")] = 1,
