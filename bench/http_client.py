@@ -134,12 +134,16 @@ class HttpTarget:
     async def _read_events(resp, rec: RequestRecord) -> dict:
         """Server-sent events: one token arrival per chunk that carries output; returns usage."""
         usage: dict = {}
+        done = False
         async for line in resp.aiter_lines():
-            if not line.startswith("data:"):
+            # Read on past [DONE] to the body's end (the chunked terminator follows it at once): a
+            # response left unread closes its connection, and every request then pays a new one.
+            if done or not line.startswith("data:"):
                 continue
             payload = line[5:].strip()
             if payload == "[DONE]":
-                break
+                done = True
+                continue
             try:
                 event = json.loads(payload)
             except ValueError:
