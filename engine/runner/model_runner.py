@@ -29,6 +29,7 @@ from enc2dec.engine.runner.host_to_device import to_device
 from enc2dec.engine.core.kv_sizing import auto_cpu_kv_budget, kv_bytes_per_token, plan_kv_pools
 from enc2dec.engine.runner.loader import load_model
 from enc2dec.engine.core.request import PLACEHOLDER_TOKEN_ID
+from enc2dec.engine.runner.greedy_head import GreedyHead, greedy_head_available
 from enc2dec.engine.runner.sampler import (BeamGroup, DeviceSample, Sampler, SeqSamplingState, all_plain_greedy,
                                            all_simple)
 from enc2dec.engine.runner.sampling_ops import stream_key
@@ -189,6 +190,8 @@ class ModelRunner:
                                    fp8=args.kv_cache_config.dtype == "fp8",
                                    head_major=getattr(self.backend, "head_major_pools", False))
         self.sampler = Sampler()
+        self.greedy_head = GreedyHead(self.model) if device.type == "cpu" and dtype == torch.float32 \
+            and tp.size == 1 and tuning.cpu_greedy_head and greedy_head_available() else None
         self.states: dict[str, dict[int, SeqSamplingState]] = {}
         self._state_of: dict[int, SeqSamplingState] = {}  # seq_id -> state, for the seqs _register named
         self._prev_tokens: torch.Tensor | None = None     # last step's samples, on the device
@@ -342,12 +345,17 @@ class ModelRunner:
         hidden = None
         if self._can_replay(so):
             logits = self.graphs.run(so.seqs, fill, self._prev_tokens)                               # [S, vocab]
+            states, plain, simple = self._step_states(seq_ids, so.seqs)
         else:
             input_ids, positions, meta = self._prepare_decode(so.seqs, fill)
             hidden = self.model.decode(input_ids, positions, meta, self.kv)       # [N, d_model]
-            logits = self.model.compute_logits(hidden[meta.last_token_indices])    # [S, vocab]
-        states, plain, simple = self._step_states(seq_ids, so.seqs)
-        if plain:           # bare argmax rows: no beams, no prefix log-probs, nothing reads the rows' ids
+            last = hidden[meta.last_token_indices]                                 # [S, d_model]
+            states, plain, simple = self._step_states(seq_ids, so.seqs)
+            # Bare argmax rows on the CPU: the argmax without the float32 head's full read.
+            logits = None if plain and self.greedy_head is not None else self.model.compute_logits(last)
+        if logits is None:
+            sample, beam_ids = self.sampler.choose(self.greedy_head(last), states), []
+        elif plain:         # bare argmax rows: no beams, no prefix log-probs, nothing reads the rows' ids
             sample, beam_ids = self.sampler.sample(logits, states, []), []
         elif simple:        # nor here; drawing rows need only their output counts (a seeded key's position)
             sample, beam_ids = self.sampler.sample(logits, states, list(map(_NUM_OUT, so.seqs))), []

@@ -417,6 +417,10 @@ class Sampler:
             batch = self._batch = _Batch(states)
         return batch
 
+    def choose(self, token_ids: torch.Tensor, states: list[SeqSamplingState]) -> DeviceSample:
+        """Bare-argmax rows whose ids were found without a logits tensor (runner/greedy_head.py)."""
+        return DeviceSample(token_ids, self.batch(states).no_logprobs)
+
     def sample(self, logits: torch.Tensor, states: list[SeqSamplingState], num_output_tokens: list[int],
                beam_groups: list[BeamGroup] = (), beam_scores: list[float] = (),
                histories: list[list[int] | None] | None = None, seq_ids: list[int] | None = None) -> DeviceSample:

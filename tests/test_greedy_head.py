@@ -1,0 +1,89 @@
+"""The CPU greedy head (engine/runner/greedy_head.py): the float32 head's argmax, found through a
+bfloat16 copy of the head and proven in float32, on every kind of row a model gives it."""
+import pytest
+import torch
+from torch import nn
+
+from enc2dec.engine import LLM, KvCacheConfig, SamplingParams
+from enc2dec.engine.models.base import EncoderDecoderLM
+from enc2dec.engine.runner.greedy_head import GreedyHead, greedy_head_available
+from enc2dec.engine.runner.sampler import greedy
+
+pytestmark = pytest.mark.skipif(not greedy_head_available(), reason="this torch has no oneDNN linear")
+
+
+class Head(EncoderDecoderLM):
+    """Just an LM head: ``compute_logits`` as every model has it."""
+
+    def __init__(self, weight: torch.Tensor, tied: bool = False, scale: float = 1.0, bias: torch.Tensor | None = None):
+        super().__init__()
+        vocab, d = weight.shape
+        self.embed_tokens = nn.Embedding(vocab, d)
+        self._init_lm_head(vocab, d, tied=tied, logits_scale=scale)
+        (self.embed_tokens if tied else self.lm_head).weight.data.copy_(weight)
+        if bias is not None:
+            self.register_buffer("final_logits_bias", bias.reshape(1, -1))
+
+
+def _reference(model: Head, hidden: torch.Tensor) -> torch.Tensor:
+    return greedy(model.compute_logits(hidden))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("kind", ["untied", "tied_scaled", "bias"])
+def test_ids_are_the_float32_heads_argmax(rows, kind):
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(3001, 96, generator=g) * 0.05
+    bias = torch.randn(3001, generator=g) * 0.5 if kind == "bias" else None
+    model = Head(weight, tied=kind == "tied_scaled", scale=96 ** -0.5 if kind == "tied_scaled" else 1.0, bias=bias)
+    head = GreedyHead(model)
+    for _ in range(30):
+        # Peaked rows (a trained model's) and flat ones (random hidden states) both.
+        hidden = torch.randn(rows, 96, generator=g) * torch.rand(rows, 1, generator=g) * 20
+        assert torch.equal(head(hidden), _reference(model, hidden))
+    assert head.fallback_rows == 0
+
+
+def test_a_near_tie_is_resolved_in_float32_and_an_exact_tie_by_the_lowest_id():
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(500, 64, generator=g) * 0.05
+    hidden = torch.randn(2, 64, generator=g)
+    # Row 0: ids 40 and 7 score the same in float32; row 1: id 300 beats id 9 by far less than
+    # bfloat16 can tell, so only the float32 proof can pick it.
+    weight[40] = weight[7] = hidden[0] / hidden[0].norm() * 2
+    weight[9] = hidden[1] / hidden[1].norm() * 2
+    weight[300] = weight[9] * (1 + 2e-5)
+    model = Head(weight)
+    logits = model.compute_logits(hidden)
+    assert logits[0, 7] == logits[0, 40] and logits[1, 300] > logits[1, 9]
+    assert torch.equal(GreedyHead(model)(hidden), _reference(model, hidden))
+    assert GreedyHead(model)(hidden).tolist() == [7, 300]
+
+
+def test_flat_rows_and_nan_rows_take_the_float32_head():
+    weight = torch.ones(2000, 32)          # every id scores the same: all are candidates
+    model = Head(weight)
+    head = GreedyHead(model)
+    hidden = torch.randn(1, 32)
+    assert head(hidden).tolist() == [0] and head.fallback_rows == 1
+    g = torch.Generator().manual_seed(1)
+    model = Head(torch.randn(2000, 32, generator=g))
+    head = GreedyHead(model)
+    hidden = torch.randn(3, 32, generator=g)
+    hidden[1, 5] = float("nan")
+    assert torch.equal(head(hidden), _reference(model, hidden))
+    assert head.fallback_rows >= 1
+
+
+@pytest.mark.parametrize("family", ["flan_t5", "bart"])
+def test_engine_outputs_are_the_same_with_and_without_it(family, request, monkeypatch):
+    path = request.getfixturevalue(family)
+    prompts = [[5 + i, 9, 17, 30 + 2 * i, 11] for i in range(6)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for on in (True, False):
+        monkeypatch.setenv("ENC2DEC_CPU_GREEDY_HEAD", "1" if on else "0")
+        with LLM(model=path, max_batch_size=4, kv_cache_config=KvCacheConfig(cross_kv_cache_fraction=0.5)) as llm:
+            assert (llm.engine.runner.greedy_head is not None) == on
+            outs[on] = [o.outputs[0].token_ids for o in llm.generate(prompts, sampling_params=params, use_tqdm=False)]
+    assert outs[True] == outs[False]
