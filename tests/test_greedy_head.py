@@ -60,6 +60,29 @@ def test_a_near_tie_is_resolved_in_float32_and_an_exact_tie_by_the_lowest_id():
     assert GreedyHead(model)(hidden).tolist() == [7, 300]
 
 
+def test_masked_ids_are_never_chosen_and_the_argmax_is_over_the_rest():
+    """Whisper's rows mask a suppress list every step and more at the first one: the id is the
+    float32 argmax of the masked logits, even when the mask removes each row's likeliest ids."""
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(2500, 64, generator=g) * 0.05
+    model = Head(weight)
+    head = GreedyHead(model)
+    for _ in range(20):
+        hidden = torch.randn(4, 64, generator=g) * 10
+        logits = model.compute_logits(hidden)
+        # Each row loses its three likeliest ids and a shared suppress list.
+        rows = [r for r in range(4) for _ in range(3)] + [r for r in range(4) for _ in range(5)]
+        cols = logits.topk(3, dim=-1).indices.flatten().tolist() + [11, 222, 1333, 2000, 2499] * 4
+        mask = (torch.tensor(rows), torch.tensor(cols))
+        masked = logits.index_put(mask, torch.tensor(float("-inf")))
+        got = head(hidden, mask)
+        assert torch.equal(got, greedy(masked))
+        assert all(c not in logits.topk(3, dim=-1).indices[r].tolist() for r, c in enumerate(got.tolist()))
+    flat = Head(torch.ones(2000, 32))
+    mask = (torch.tensor([0, 0]), torch.tensor([0, 1]))
+    assert GreedyHead(flat)(torch.randn(1, 32), mask).tolist() == [2]      # the float32 head, masked too
+
+
 def test_flat_rows_and_nan_rows_take_the_float32_head():
     weight = torch.ones(2000, 32)          # every id scores the same: all are candidates
     model = Head(weight)
@@ -75,11 +98,22 @@ def test_flat_rows_and_nan_rows_take_the_float32_head():
     assert head.fallback_rows >= 1
 
 
-@pytest.mark.parametrize("family", ["flan_t5", "bart"])
+@pytest.mark.parametrize("family", ["flan_t5", "bart", "bart_min_tokens", "whisper"])
 def test_engine_outputs_are_the_same_with_and_without_it(family, request, monkeypatch):
-    path = request.getfixturevalue(family)
-    prompts = [[5 + i, 9, 17, 30 + 2 * i, 11] for i in range(6)]
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    """Plain greedy rows, rows with min_tokens (EOS masked while short) and Whisper's rows (a
+    suppress list, begin-suppress): the same tokens either way."""
+    path = request.getfixturevalue(family.removesuffix("_min_tokens"))
+    if family == "whisper":
+        g = torch.Generator().manual_seed(0)
+        prompts = [{"prompt": "", "multi_modal_data": {"audio": [(torch.randn(16000 * (1 + i), generator=g).numpy()
+                                                                 * 0.1, 16000)]}} for i in range(3)]
+    else:
+        prompts = [[5 + i, 9, 17, 30 + 2 * i, 11] for i in range(6)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=family != "bart_min_tokens",
+                            min_tokens=8 if family == "bart_min_tokens" else 0)
+    calls = []
+    real_call = GreedyHead.__call__
+    monkeypatch.setattr(GreedyHead, "__call__", lambda self, h, mask=None: calls.append(mask) or real_call(self, h, mask))
     outs = {}
     for on in (True, False):
         monkeypatch.setenv("ENC2DEC_CPU_GREEDY_HEAD", "1" if on else "0")
@@ -87,3 +121,6 @@ def test_engine_outputs_are_the_same_with_and_without_it(family, request, monkey
             assert (llm.engine.runner.greedy_head is not None) == on
             outs[on] = [o.outputs[0].token_ids for o in llm.generate(prompts, sampling_params=params, use_tqdm=False)]
     assert outs[True] == outs[False]
+    assert calls                                   # every step went through it (with the head on)
+    if family in ("whisper", "bart_min_tokens"):
+        assert any(m is not None for m in calls)   # with the step's masks

@@ -15,9 +15,10 @@ id through a bfloat16 copy of the head, prepacked for oneDNN, and then proves it
    argmax. A row where it is not (a near-flat distribution) takes the float32 head instead.
 
 So the chosen ids are those of the float32 head up to float32 rounding, which is what the float32
-head promises too (its GEMV's summation order is not transformers' either). Only bare-argmax rows
-(``plain_greedy``) take it: anything that reads logits (log-probs, masks, penalties, sampling)
-needs the whole float32 row.
+head promises too (its GEMV's summation order is not transformers' either). Masks (suppress lists,
+begin-suppress, min_tokens, bad words) remove their ids from the approximation first, so the id
+is the argmax over the ids left. Only steps whose rows all want that argmax take it
+(``masked_greedy``): log-probs, penalties, logit bias, processors and draws read whole rows.
 """
 from __future__ import annotations
 
@@ -55,7 +56,9 @@ class GreedyHead:
         self.bias = None if bias is None else bias.detach().reshape(-1).float()
         self.scale = model.logits_scale
 
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+    def __call__(self, hidden: torch.Tensor, mask: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``mask``: (rows, ids) that this step's masks remove (suppress lists, begin-suppress,
+        min_tokens): each row's argmax is over the ids left, as over the masked float32 logits."""
         if self.packed is None:
             self._prepare()
         x = hidden * self.scale if self.scale != 1.0 else hidden                        # [S, D]
@@ -64,11 +67,13 @@ class GreedyHead:
         approx = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self.packed, None, "none", [], "")
         if self.bias is not None:
             approx = approx.float() + self.bias                                          # [S, V]
+        if mask is not None:
+            approx.index_put_(mask, torch.tensor(float("-inf"), dtype=approx.dtype))
         # Every id whose float32 logit may reach the likeliest approximation's: within 2 err of it.
         threshold = approx.amax(dim=-1, keepdim=True).float().sub_(norm, alpha=2 * ERR_SCALE * self.max_row_norm)
         rows, ids = (approx >= threshold).nonzero(as_tuple=True)                        # [M] each, rows ascending
         if not 0 < ids.numel() <= MAX_CANDIDATES * num_rows:     # a near-flat row, or NaNs (no candidate)
-            return self._fallback(hidden, torch.arange(num_rows), torch.empty(num_rows, dtype=torch.long))
+            return self._fallback(hidden, mask, torch.arange(num_rows), torch.empty(num_rows, dtype=torch.long))
         if num_rows == 1:
             exact = torch.mv(self.weight.index_select(0, ids), x[0])                     # [M] float32
             if self.bias is not None:
@@ -82,9 +87,12 @@ class GreedyHead:
         tokens = torch.full((num_rows,), vocab).scatter_reduce(0, rows, torch.where(exact == best[rows], ids, vocab),
                                                                "amin")
         missing = (tokens == vocab).nonzero().squeeze(1)
-        return self._fallback(hidden, missing, tokens) if missing.numel() else tokens
+        return self._fallback(hidden, mask, missing, tokens) if missing.numel() else tokens
 
-    def _fallback(self, hidden: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    def _fallback(self, hidden: torch.Tensor, mask, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         self.fallback_rows += rows.numel()
-        tokens[rows] = self.model.compute_logits(hidden[rows]).max(dim=-1).indices
+        logits = self.model.compute_logits(hidden)
+        if mask is not None:
+            logits.index_put_(mask, torch.tensor(float("-inf")))
+        tokens[rows] = logits[rows].max(dim=-1).indices
         return tokens

@@ -351,10 +351,15 @@ class ModelRunner:
             hidden = self.model.decode(input_ids, positions, meta, self.kv)       # [N, d_model]
             last = hidden[meta.last_token_indices]                                 # [S, d_model]
             states, plain, simple = self._step_states(seq_ids, so.seqs)
-            # Bare argmax rows on the CPU: the argmax without the float32 head's full read.
-            logits = None if plain and self.greedy_head is not None else self.model.compute_logits(last)
+            # Rows that want only the argmax of their (masked) logits, on the CPU: found without
+            # the float32 head's full read.
+            head_ok, mask = False, None
+            if self.greedy_head is not None:
+                head_ok, mask = (True, None) if plain else \
+                    self.sampler.argmax_mask(states, list(map(_NUM_OUT, so.seqs)))
+            logits = None if head_ok else self.model.compute_logits(last)
         if logits is None:
-            sample, beam_ids = self.sampler.choose(self.greedy_head(last), states), []
+            sample, beam_ids = self.sampler.choose(self.greedy_head(last, mask), states), []
         elif plain:         # bare argmax rows: no beams, no prefix log-probs, nothing reads the rows' ids
             sample, beam_ids = self.sampler.sample(logits, states, []), []
         elif simple:        # nor here; drawing rows need only their output counts (a seeded key's position)

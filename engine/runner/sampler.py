@@ -57,6 +57,9 @@ class SeqSamplingState:
     # Greedy with nothing to edit, record or report: its row is a bare argmax. A batch of only
     # such rows (the common serving case) skips every per-row scan of the general path.
     plain_greedy: bool = field(default=False)
+    # Greedy whose logits only masks edit (suppress lists, begin-suppress, min_tokens, bad words):
+    # its id is the argmax over the ids no mask removes, which runner/greedy_head.py finds too.
+    masked_greedy: bool = field(default=False)
     # As plain_greedy, but the row may draw at random: the step needs only the choice.
     simple: bool = field(default=False)
     is_random: bool = field(default=False)            # draws (not greedy, not beam search)
@@ -75,6 +78,8 @@ class SeqSamplingState:
                              and not self.masked_ids and not self.begin_suppress_token_ids
                              and (p.min_tokens == 0 or p.ignore_eos) and p.logprobs is None
                              and not p.prefix_logprob_token_ids)
+        self.masked_greedy = (p.is_greedy and not p.use_beam_search and not p.logits_processors and not p.logit_bias
+                              and not p.has_penalties and p.logprobs is None and not p.prefix_logprob_token_ids)
         self.is_random = not (p.is_greedy or p.use_beam_search)
         self.simple = self.is_random and not p.logits_processors and not p.logit_bias and not p.has_penalties \
             and not self.masked_ids and not self.begin_suppress_token_ids and (p.min_tokens == 0 or p.ignore_eos) \
@@ -87,6 +92,7 @@ class SeqSamplingState:
 
 # Per-row fields read with map(): one C-level pass over the batch, not a Python loop per row.
 _PLAIN, _SIMPLE = operator.attrgetter("plain_greedy"), operator.attrgetter("simple")
+_MASKED_GREEDY = operator.attrgetter("masked_greedy")
 _IS_RANDOM, _STREAM = operator.attrgetter("is_random"), operator.attrgetter("stream")
 _FLOATS, _TOP_K, _HAS_FILTERS = (operator.attrgetter(name) for name in ("float_params", "top_k", "has_filters"))
 
@@ -115,6 +121,7 @@ class _Batch:
     def __init__(self, states: list[SeqSamplingState]):
         self.states = list(states)
         self.plain = all_plain_greedy(states)
+        self.masked_greedy = self.plain or (all(states) and all(map(_MASKED_GREEDY, states)))
         self.simple = self.plain or all_simple(states)
         self.drawing = list(itertools.compress(range(len(states)), map(_IS_RANDOM, states))) if all(states) \
             else [r for r, st in enumerate(states) if st is not None and st.is_random]
@@ -417,8 +424,28 @@ class Sampler:
             batch = self._batch = _Batch(states)
         return batch
 
+    def argmax_mask(self, states: list[SeqSamplingState], num_output_tokens: list[int]):
+        """For a step whose rows all want only the argmax of their masked logits (``masked_greedy``):
+        ``(True, (rows, cols) or None)``, the ids each row's masks remove this step; else
+        ``(False, None)``: the step needs its logits."""
+        batch = self.batch(states)
+        if not batch.masked_greedy:
+            return False, None
+        if batch.plain:
+            return True, None
+        rows, cols = _static_mask_indices(states)
+        if batch.counted_mask_rows:
+            counted_rows, counted_cols = _counted_mask_indices(states, num_output_tokens, batch.counted_mask_rows)
+            rows, cols = rows + counted_rows, cols + counted_cols
+        if not rows:
+            return True, None
+        static = batch.static_mask(torch.device("cpu"))
+        if static is not None and len(rows) == static[0].numel():   # nothing counted this step: the staged mask
+            return True, static
+        return True, (torch.tensor(rows), torch.tensor(cols))
+
     def choose(self, token_ids: torch.Tensor, states: list[SeqSamplingState]) -> DeviceSample:
-        """Bare-argmax rows whose ids were found without a logits tensor (runner/greedy_head.py)."""
+        """Argmax rows whose ids were found without a logits tensor (runner/greedy_head.py)."""
         return DeviceSample(token_ids, self.batch(states).no_logprobs)
 
     def sample(self, logits: torch.Tensor, states: list[SeqSamplingState], num_output_tokens: list[int],
