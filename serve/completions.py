@@ -7,6 +7,7 @@ response carries ``usage``: the plain one always, a stream on its last chunk (or
 from __future__ import annotations
 
 import functools
+import json
 import time
 
 from fastapi import Request, Response
@@ -106,6 +107,22 @@ def _usage(outs) -> dict:
                  sum(len(c.token_ids) for o in outs for c in o.outputs))
 
 
+def token_event_renderer(rid: str, created: int, model: str, include_usage: bool):
+    """``(index, text) -> str``: the SSE event of one choice's new text with no finish and no
+    log-probs, byte for byte what ``sse(chunk(...))`` makes of it, from a template made once per
+    stream: every streamed token is one such event, and the generic path's dicts and nested
+    JSON encoding were a sixth of the API process's CPU per token."""
+    head = (f'data: {{"id":{json.dumps(rid, ensure_ascii=False)},"object":"text_completion","created":'
+            f'{json.dumps(created)},"model":{json.dumps(model, ensure_ascii=False)},"choices":[{{"index":')
+    tail = ',"finish_reason":null,"logprobs":null}]' + (',"usage":null' if include_usage else "") + "}\n\n"
+    dumps = json.JSONEncoder(ensure_ascii=False).encode
+
+    def render(index: int, text: str) -> str:
+        return f'{head}{index},"text":{dumps(text)}{tail}'
+
+    return render
+
+
 async def _events(front, batch, body: CompletionRequest, rid, created, model, fmt, received: float | None = None):
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     sent_text: dict[int, str] = {}
@@ -122,6 +139,8 @@ async def _events(front, batch, body: CompletionRequest, rid, created, model, fm
         if include_usage:
             c["usage"] = None
         return {**c, **extra}
+
+    token_event = token_event_renderer(rid, created, model, include_usage)
 
     async for i, out in batch.stream():
         now = time.monotonic()
@@ -144,6 +163,9 @@ async def _events(front, batch, body: CompletionRequest, rid, created, model, fm
             sent_tokens[key] = len(c.token_ids)
             if is_last:
                 finished_choices.add(key)
+            elif body.logprobs is None or c.logprobs is None:
+                pending.append((key, delta))     # the common event: rendered from a template below
+                continue
             pending.append(chunk([{
                 "index": key, "text": delta, "finish_reason": finish_reason(c.finish_reason) if is_last else None,
                 "logprobs": fmt.format(new_ids, new_lps, body.logprobs, len(prev))
@@ -154,11 +176,14 @@ async def _events(front, batch, body: CompletionRequest, rid, created, model, fm
         all_done = len(finals) == len(batch.handles)
         if all_done and not include_usage:
             if pending:
+                if isinstance(pending[-1], tuple):
+                    key, delta = pending[-1]
+                    pending[-1] = chunk([{"index": key, "text": delta, "finish_reason": None, "logprobs": None}])
                 pending[-1]["usage"] = _usage(list(finals.values()))
             else:
                 pending.append(chunk([], usage=_usage(list(finals.values()))))
         for c in pending:
-            yield sse(c)
+            yield token_event(*c) if isinstance(c, tuple) else sse(c)
         if pending and i not in first_sent:
             first_sent[i] = time.monotonic()
         if out.finished and received is not None:

@@ -283,3 +283,19 @@ def test_beam_search_fields_reach_the_engine(beam_server):
                                                               "best_of": 8}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "best_of"
     assert "best_of=8" in r.json()["error"]["message"] and "max_beam_width=4" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_a_token_event_from_the_template_is_the_generic_event_byte_for_byte(include_usage):
+    """The streamed token's fast path (serve/completions.py) must be what the generic path sends:
+    the same keys in the same order, and text escaped the same (quotes, controls, non-ASCII)."""
+    from enc2dec.serve.completions import token_event_renderer
+    from enc2dec.serve.streaming import sse
+
+    render = token_event_renderer('cmpl-"x"', 1733500000, "org/model ü", include_usage)
+    for text in ["", "a", 'say "hi"', "back\\slash", "line\nbreak", "ünï 日本", "\u2028", "\x00\x1f", "😀"]:
+        event = {"id": 'cmpl-"x"', "object": "text_completion", "created": 1733500000, "model": "org/model ü",
+                 "choices": [{"index": 5, "text": text, "finish_reason": None, "logprobs": None}]}
+        if include_usage:
+            event["usage"] = None
+        assert render(5, text) == sse(event)
