@@ -110,8 +110,8 @@ def _usage(outs) -> dict:
 def token_event_renderer(rid: str, created: int, model: str, include_usage: bool):
     """``(index, text) -> str``: the SSE event of one choice's new text with no finish and no
     log-probs, byte for byte what ``sse(chunk(...))`` makes of it, from a template made once per
-    stream: every streamed token is one such event, and the generic path's dicts and nested
-    JSON encoding were a sixth of the API process's CPU per token."""
+    stream: every streamed token is one such event (the generic path's dicts and nested JSON
+    encoding cost ~1.2 us more of the API process's ~35 us of CPU a token)."""
     head = (f'data: {{"id":{json.dumps(rid, ensure_ascii=False)},"object":"text_completion","created":'
             f'{json.dumps(created)},"model":{json.dumps(model, ensure_ascii=False)},"choices":[{{"index":')
     tail = ',"finish_reason":null,"logprobs":null}]' + (',"usage":null' if include_usage else "") + "}\n\n"
