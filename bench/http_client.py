@@ -14,7 +14,7 @@ import time
 
 from .audio import wav_bytes
 from .errors import BenchInputError
-from .metrics import RequestRecord, step_extras
+from .metrics import API_PHASE_NAMES, RequestRecord, step_extras
 from .workloads import BenchRequest
 
 
@@ -176,8 +176,7 @@ _REQUEST_COUNTER_NAMES = {"enc2dec_engine_requests_finished_total": "num_finishe
                           "enc2dec_api_streams_total": "api_streams",
                           "enc2dec_api_loop_ticks_total": "api_loop_ticks",
                           "enc2dec_api_loop_lag_seconds_total": "api_loop_lag_s",
-                          **{f"enc2dec_api_{name}_seconds_total": f"api_{name}_s"
-                             for name in ("to_engine", "first_hop", "first_send", "finish_hop")}}
+                          **{f"enc2dec_api_{name}_seconds_total": f"api_{name}_s" for name in API_PHASE_NAMES}}
 
 
 def parse_step_counters(text: str) -> dict | None:

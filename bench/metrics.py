@@ -115,10 +115,10 @@ class LevelMetrics:
     api_first_hop_ms: float | None = None
     api_first_send_ms: float | None = None
     api_finish_hop_ms: float | None = None
-    # --url with client processes: the busiest one's CPU share and the client loops' lag running a
-    # 1 ms timer, mean and p99 (bench/http_shards.py): a busy client delays its own readings
     api_loop_lag_ms: float | None = None             # how late serve's API event loops ran a 10 ms timer, mean
     client_headers_ms: float | None = None           # --url: mean time from send to the response's headers
+    # --url with client processes: the busiest one's CPU share and the client loops' lag running a
+    # 1 ms timer, mean and p99 (bench/http_shards.py): a busy client delays its own readings
     client_cpu_frac: float | None = None
     client_lag_ms: float | None = None
     client_lag_p99_ms: float | None = None
@@ -216,7 +216,7 @@ def compute_level(backend: str, concurrency: int, records: list[RequestRecord], 
     errors = list(dict.fromkeys(r.error for r in records if not r.ok))[:5]
     groups = _groups(ok, duration_s)
     headers = [r.headers_s - r.start_s for r in ok if r.headers_s is not None]
-    if headers and "client_headers_ms" not in extra:
+    if headers:
         extra["client_headers_ms"] = 1000.0 * sum(headers) / len(headers)
     return LevelMetrics(
         backend=backend, concurrency=concurrency, num_requests=len(records), completed=len(ok),

@@ -8,11 +8,12 @@ id through a bfloat16 copy of the head, prepacked for oneDNN, and then proves it
    ``err <= ERR_SCALE * |x| * max_j |w_j|`` (x and w rounded to bfloat16: 2^-8 of
    ``sum_i |x_i w_ij|``, the bfloat16 output 2^-9 more, float32 accumulation well below; by
    Cauchy-Schwarz that sum is at most ``|x| |w_j|``).
-2. The ``K`` largest approximations are recomputed in float32 and the best of them taken (the
-   lowest id on a tie, as ``torch.argmax``).
-3. Every other id's float32 logit is at most the K-th approximation plus ``err``. When the best
-   recomputed logit is above that, no other id can beat it: the row's id is the float32
-   argmax. A row where it is not (a near-flat distribution) takes the float32 head instead.
+2. Let ``a*`` be the row's largest approximation. An id whose approximation is below
+   ``a* - 2 err`` has a float32 logit below ``a* - err``, which the id of ``a*`` reaches: it
+   cannot be the argmax. The ids at or above that threshold (a handful a row) are recomputed in
+   float32 and the best of them taken (the lowest id on a tie, as ``torch.argmax``).
+3. A row with more than ``MAX_CANDIDATES`` such ids (a near-flat distribution) or none (NaNs)
+   takes the float32 head instead.
 
 So the chosen ids are those of the float32 head up to float32 rounding, which is what the float32
 head promises too (its GEMV's summation order is not transformers' either). Masks (suppress lists,

@@ -74,12 +74,10 @@ class SeqSamplingState:
         self.masked_ids = tuple(sorted(set(self.suppress_token_ids) | set(p.bad_token_ids or ())))
         self.records_history = not p.use_beam_search and (p.has_penalties or any(
             getattr(fn, "batched", False) and getattr(fn, "reads_history", False) for fn in p.logits_processors or ()))
-        self.plain_greedy = (p.is_greedy and not p.logits_processors and not p.logit_bias and not p.has_penalties
-                             and not self.masked_ids and not self.begin_suppress_token_ids
-                             and (p.min_tokens == 0 or p.ignore_eos) and p.logprobs is None
-                             and not p.prefix_logprob_token_ids)
-        self.masked_greedy = (p.is_greedy and not p.use_beam_search and not p.logits_processors and not p.logit_bias
-                              and not p.has_penalties and p.logprobs is None and not p.prefix_logprob_token_ids)
+        self.masked_greedy = (p.is_greedy and not p.logits_processors and not p.logit_bias and not p.has_penalties
+                              and p.logprobs is None and not p.prefix_logprob_token_ids)
+        self.plain_greedy = (self.masked_greedy and not self.masked_ids and not self.begin_suppress_token_ids
+                             and (p.min_tokens == 0 or p.ignore_eos))
         self.is_random = not (p.is_greedy or p.use_beam_search)
         self.simple = self.is_random and not p.logits_processors and not p.logit_bias and not p.has_penalties \
             and not self.masked_ids and not self.begin_suppress_token_ids and (p.min_tokens == 0 or p.ignore_eos) \
@@ -433,16 +431,13 @@ class Sampler:
             return False, None
         if batch.plain:
             return True, None
-        rows, cols = _static_mask_indices(states)
-        if batch.counted_mask_rows:
-            counted_rows, counted_cols = _counted_mask_indices(states, num_output_tokens, batch.counted_mask_rows)
-            rows, cols = rows + counted_rows, cols + counted_cols
+        static = batch.static_mask(torch.device("cpu"))            # staged once per batch
+        rows, cols = _counted_mask_indices(states, num_output_tokens, batch.counted_mask_rows) \
+            if batch.counted_mask_rows else ([], [])
         if not rows:
-            return True, None
-        static = batch.static_mask(torch.device("cpu"))
-        if static is not None and len(rows) == static[0].numel():   # nothing counted this step: the staged mask
             return True, static
-        return True, (torch.tensor(rows), torch.tensor(cols))
+        counted = (torch.tensor(rows), torch.tensor(cols))
+        return True, counted if static is None else tuple(torch.cat(pair) for pair in zip(static, counted))
 
     def choose(self, token_ids: torch.Tensor, states: list[SeqSamplingState]) -> DeviceSample:
         """Argmax rows whose ids were found without a logits tensor (runner/greedy_head.py)."""
