@@ -44,6 +44,27 @@ def test_one_row_with_an_edit_keeps_it_for_that_row_only(extra):
     assert out.token_ids[1] != EOS
 
 
+def test_rows_sharing_one_suppress_list_mask_those_ids_in_every_row():
+    # Every Whisper row masks the same list (the batch then masks columns, staging nothing per
+    # row); a row that also bans a word, or masks nothing, sends the batch back to per-row masks.
+    suppress = (EOS, 5)
+    same = [state(suppress=suppress, logprobs=0) for _ in range(3)]
+    assert same[0].masked_ids is same[2].masked_ids           # one object per id set
+    x = logits(3)
+    x[:, 5] = 9.0                                              # the runner-up, masked too
+    out = Sampler().sample(x, same, [1, 1, 1]).output()
+    expected = x.clone()
+    expected[:, list(suppress)] = float("-inf")
+    assert out.token_ids == expected.argmax(-1).tolist() and EOS not in out.token_ids and 5 not in out.token_ids
+    assert out.logprobs == pytest.approx(expected.log_softmax(-1).max(-1).values.tolist())
+    mixed = [state(suppress=suppress, logprobs=0), state(suppress=suppress, bad_token_ids=[7], logprobs=0),
+             state(logprobs=0)]
+    x[:, 7] = 8.0
+    out = Sampler().sample(x, mixed, [1, 1, 1]).output()
+    assert out.token_ids[0] not in (EOS, 5) and out.token_ids[1] not in (EOS, 5, 7) and out.token_ids[2] == EOS
+    assert out.token_ids[0] == 7
+
+
 def test_logprobs_and_sampling_rows_are_not_plain():
     assert not state(logprobs=0).plain_greedy
     assert not state(temperature=0.8, seed=1).plain_greedy

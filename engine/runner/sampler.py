@@ -41,6 +41,18 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices if logits.device.type == "cpu" else logits.argmax(dim=-1)
 
 
+@functools.lru_cache(maxsize=256)
+def _interned(ids: tuple[int, ...]) -> tuple[int, ...]:
+    """One object per distinct id set (the first seen), so a batch tells rows that mask the same
+    ids apart by identity, without comparing their ~90 ids row by row."""
+    return ids
+
+
+@functools.lru_cache(maxsize=16)
+def _mask_columns(ids: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    return to_device(list(ids), torch.long, device)                 # [K], staged once per id set
+
+
 @dataclass
 class SeqSamplingState:
     params: SamplingParams
@@ -71,7 +83,7 @@ class SeqSamplingState:
         # Decided once per request, not in every step.
         p = self.params
         self.min_tokens_mask_ids = tuple(sorted(set(self.eos_token_ids) | set(self.stop_token_ids)))
-        self.masked_ids = tuple(sorted(set(self.suppress_token_ids) | set(p.bad_token_ids or ())))
+        self.masked_ids = _interned(tuple(sorted(set(self.suppress_token_ids) | set(p.bad_token_ids or ()))))
         self.records_history = not p.use_beam_search and (p.has_penalties or any(
             getattr(fn, "batched", False) and getattr(fn, "reads_history", False) for fn in p.logits_processors or ()))
         self.masked_greedy = (p.is_greedy and not p.logits_processors and not p.logit_bias and not p.has_penalties
@@ -90,7 +102,7 @@ class SeqSamplingState:
 
 # Per-row fields read with map(): one C-level pass over the batch, not a Python loop per row.
 _PLAIN, _SIMPLE = operator.attrgetter("plain_greedy"), operator.attrgetter("simple")
-_MASKED_GREEDY = operator.attrgetter("masked_greedy")
+_MASKED_GREEDY, _MASKED_IDS = operator.attrgetter("masked_greedy"), operator.attrgetter("masked_ids")
 _IS_RANDOM, _STREAM = operator.attrgetter("is_random"), operator.attrgetter("stream")
 _FLOATS, _TOP_K, _HAS_FILTERS = (operator.attrgetter(name) for name in ("float_params", "top_k", "has_filters"))
 
@@ -127,6 +139,12 @@ class _Batch:
         self.plan: _DrawPlan | None = None           # made at the first step that draws
         self._static_mask: tuple[torch.Tensor, torch.Tensor] | None = None
         self._static_mask_made = False
+        # The ids every row masks when all rows mask the same ones (a model's suppress list: every
+        # Whisper row), else None: then the mask is those columns, whatever the rows, and a batch
+        # that changes at every step (a clip admitted each step) stages nothing per row.
+        first = states[0].masked_ids if states and states[0] is not None else ()
+        self.shared_mask_ids = first if first and all(states) and all(
+            map(operator.is_, map(_MASKED_IDS, states), itertools.repeat(first))) else None
         # Rows whose mask changes with their output count (begin-suppress, min_tokens).
         self.counted_mask_rows = [r for r, st in enumerate(states) if st is not None and (
             st.begin_suppress_token_ids or (st.params.min_tokens and not st.params.ignore_eos))]
@@ -487,9 +505,12 @@ class Sampler:
             logits = _penalize(logits, states, num_output_tokens, penalized,
                                self.history.window([slot_of[r] for r in penalized]))
         logits = _add_logit_bias(logits, states)
-        static = batch.static_mask(logits.device)
-        if static is not None:
-            logits = logits.index_put(static, _neg_inf(logits.device))
+        if batch.shared_mask_ids is not None:
+            logits = logits.index_fill(1, _mask_columns(batch.shared_mask_ids, logits.device), float("-inf"))
+        else:
+            static = batch.static_mask(logits.device)
+            if static is not None:
+                logits = logits.index_put(static, _neg_inf(logits.device))
         if batch.counted_mask_rows:
             rows, cols = _counted_mask_indices(states, num_output_tokens, batch.counted_mask_rows)
             if rows:
