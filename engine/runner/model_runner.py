@@ -210,8 +210,8 @@ class ModelRunner:
 
     def _warm_log_mel(self, max_input_len: int) -> None:
         """Log-mel features of every encoder batch size, once now, on each stream that computes
-        them: a batch size first met mid-run made its cuFFT plan and the stream's cached blocks
-        inside a decoding step (steps of 0.2-0.7 s, seen on an H100 in session 25's runs)."""
+        them: a batch size first met mid-run (its cuFFT plan, the stream's cached blocks) held a
+        decoding step, and every running request, 0.2-0.7 s (docs/benchmarks.md)."""
         if self.log_mel is None or self.device.type != "cuda":
             return
         _, tokens, max_batch = self._encoder_limits(max_input_len)
