@@ -36,6 +36,7 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=None)
     ap.add_argument("--seed", type=int, default=None, help="seeded sampling (one stream per request)")
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
+    ap.add_argument("--dtype", default="bfloat16", help="float32: what the CPU runs by default")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--json", default=None, help="write the kernel table here")
     ap.add_argument("--cpu-profile", action="store_true",
@@ -43,7 +44,7 @@ def main() -> None:
     a = ap.parse_args()
 
     extra = {} if a.graphs == "on" else {"cuda_graph_config": None}
-    args = LlmArgs.from_dict(extra, model=a.model, load_format="dummy", dtype="bfloat16",
+    args = LlmArgs.from_dict(extra, model=a.model, load_format="dummy", dtype=a.dtype,
                              kv_cache_config=KvCacheConfig(cross_kv_cache_fraction=0.5, dtype=a.kv_cache_dtype),
                              disable_overlap_scheduler=a.overlap == "off")
     if a.cpu_profile:

@@ -122,7 +122,8 @@ def _watch_gc() -> None:
         elif "t" in start:
             took = time.perf_counter() - start.pop("t")
             if took > 0.01:
-                _write(f"gc gen{info.get('generation')} {took * 1e3:.0f}ms collected {info.get('collected')}")
+                _write(f"gc gen{info.get('generation')} {took * 1e3:.0f}ms collected {info.get('collected')} "
+                       f"frozen {gc.get_freeze_count()} tracked {len(gc.get_objects())}")
 
     gc.callbacks.append(cb)
 
