@@ -147,6 +147,7 @@ def _real_runner(num_running: int, output_len: int, graphs: bool):
     r.device, r.dtype, r.is_whisper, r.tokens_per_block = torch.device("cpu"), torch.float32, False, 32
     r.model, r.kv, r.sampler, r.states, r._state_of = _StubModel(), None, Sampler(), {}, {}
     r._prev_tokens, r._prev_rows, r.encoder_graphs = None, {}, None
+    r.greedy_head = None            # as on a GPU: the stub's logits are the step's whole cost there
     r._rows_ids, r._rows = [], ([], True, True)
     r._encode_stream, r.encodes_beside, r._encodes_in_flight = None, False, collections.deque()
     r.graphs = _CpuGraphs(num_running, 32, output_len + 32, 128) if graphs else None
