@@ -321,6 +321,10 @@ def main(argv=None) -> None:
     if bad:
         ap.error(f"--sampling: {', '.join(bad)} not among {', '.join(SAMPLINGS)}")
     clock = time.perf_counter if a.clock == "wall" else time.process_time
+    # The stub's tensor math (the CPU greedy choice over its logits, a GPU kernel in real runs)
+    # would start torch's second OpenMP thread, whose spin after each parallel region --clock cpu
+    # counted as host work (2.75 us a sequence a step at 256 running read 5.4 in CPU time).
+    torch.set_num_threads(1)
     prof = None
     if a.profile:
         import cProfile
