@@ -32,6 +32,7 @@
 # Every compared run has the same workload flags; dummy weights, bf16, one run each.
 #
 #   OUT=./gpu-out bash bench/scripts/real_workloads.sh [sampled whisper serve fast]
+#   STALL_LOG=1 ...: each run under bench/scripts/jit_log, its slow steps counted in the table
 #
 # Runs stop at their own limit (*_LIMIT_S) and at the call's budget (TOTAL_S, default 540 s):
 # a run that would start past it is skipped and its row says so. Reports and logs land in $WORK
@@ -82,6 +83,10 @@ T5RUN="--model $T5L $COMMON $TXT --concurrency $C --num-requests $NUM"
 WHRUN="--model $WH $COMMON $AUD --concurrency $C --num-requests $NUM"
 
 left() { echo $((TOTAL_S - SECONDS)); }
+# STALL_LOG=1: every process of a run under bench/scripts/jit_log (slow engine steps with their
+# stacks, Triton compiles, graph captures, long GC passes) into $WORK/NAME.events; the table
+# counts each run's steps over STALL_MS (default 150) ms.
+stall_env() { [ -n "${STALL_LOG:-}" ] && echo "PYTHONPATH=$REPO/bench/scripts/jit_log${PYTHONPATH:+:$PYTHONPATH} JIT_LOG=$WORK/$1.events"; }
 run() {  # run NAME LIMIT ARGS...: one enc2dec bench, skipped when the budget is spent (ENV: "VAR=v" for this run)
   local name=$1 limit=$2 t0=$SECONDS; shift 2
   local env=${RUN_ENV:-}
@@ -89,7 +94,7 @@ run() {  # run NAME LIMIT ARGS...: one enc2dec bench, skipped when the budget is
   if [ "$budget" -lt 20 ]; then echo "$name: skipped (budget spent)"; echo "$name" >>"$WORK/skipped.txt"; return; fi
   [ "$limit" -gt "$budget" ] && limit=$budget
   echo "${env:+$env }enc2dec bench $* --report-json $name.json" >>"$WORK/commands.txt"
-  env $env timeout "$limit" $B "$@" --report-json "$WORK/$name.json" >"$WORK/$name.log" 2>&1
+  env $env $(stall_env "$name") timeout "$limit" $B "$@" --report-json "$WORK/$name.json" >"$WORK/$name.log" 2>&1
   echo "$name: exit $? after $((SECONDS - t0)) s"
 }
 
@@ -99,7 +104,7 @@ serve_bench() {  # serve_bench N: enc2dec serve with N API processes in the back
   [ "$api" = auto ] && flag=""           # serve's default
   if [ "$(left)" -lt 60 ]; then echo "serve: skipped (budget spent)"; echo http-stream-a$api >>"$WORK/skipped.txt"; return; fi
   echo "enc2dec serve $T5L --load-format dummy --dtype $DT --max-batch-size $C --port $port $flag" >>"$WORK/commands.txt"
-  env ${SERVE_ENV:-} python -m enc2dec.cli.main serve "$T5L" --load-format dummy --dtype "$DT" --max-batch-size "$C" \
+  env ${SERVE_ENV:-} $(stall_env "http-stream-a$api${SERVE_TAG:-}") python -m enc2dec.cli.main serve "$T5L" --load-format dummy --dtype "$DT" --max-batch-size "$C" \
       --host 127.0.0.1 --port "$port" --log-level warning $flag >"$WORK/serve-a$api.log" 2>&1 &
   local pid=$!
   if python - "$port" "${SERVE_WAIT_S:-150}" "$pid" <<'PY'
@@ -221,7 +226,7 @@ def num(v, fmt="{:,.0f}"):
 
 # step: the engine's own mean step ms / decoder rows per step / share of step time waiting for the GPU
 print(f"\n{'run':<17}{'backend':<12}{'C':>4}{'out tok/s':>11}{'TPOT ms':>9}{'TTFT ms':>9}{'ITL p50/p99':>14}{'fail':>5}"
-      f"{'step ms/rows/wait':>20}{'eng TTFT/E2E':>14}  api in/1st hop/send/last hop")
+      f"{'step ms/rows/wait':>20}{'eng TTFT/E2E':>14}{'slow':>5}  api in/1st hop/send/last hop")
 for p in sorted(work.glob("*.json")):
     for lv in json.loads(p.read_text())["levels"]:
         itl = f"{num(lv.get('p50_itl_ms'), '{:.1f}')}/{num(lv.get('p99_itl_ms'), '{:.1f}')}"
@@ -237,9 +242,13 @@ for p in sorted(work.glob("*.json")):
             api += f"  client {lv['client_cpu_frac']:.0%} {lv['client_lag_ms']:.2f}/{lv['client_lag_p99_ms']:.2f}"
         if lv.get("client_headers_ms") is not None:  # the client's send to the response's headers, mean
             api += f" hdr {lv['client_headers_ms']:.1f}"
+        # STALL_LOG runs: engine steps over STALL_MS in the run's processes (start-up and warm-up included)
+        events = work / f"{p.stem}.events"
+        slow = "-" if not events.exists() or lv["backend"] not in ("enc2dec", "http") else \
+            str(sum(" slow-step " in line for line in events.read_text().splitlines()))
         print(f"{p.stem:<17}{lv['backend']:<12}{lv['concurrency']:>4}{num(lv['out_tok_per_s']):>11}"
               f"{num(lv['mean_tpot_ms'], '{:.2f}'):>9}{num(lv['mean_ttft_ms'], '{:.0f}'):>9}{itl:>14}{lv['failed']:>5}"
-              f"{step:>20}{eng:>14}  {api}")
+              f"{step:>20}{eng:>14}{slow:>5}  {api}")
 for name in sorted(skipped):
     print(f"{name:<14}skipped: the call's time budget was spent")
 
