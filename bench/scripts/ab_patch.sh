@@ -3,7 +3,7 @@
 # alternating A B B A per line, so drift between runs shows as spread, not as the change.
 #   git diff -- engine > ab.patch
 #   PATCH=ab.patch OUT=$OUT bash bench/scripts/ab_patch.sh "enc2dec bench ARGS..." ["enc2dec bench ARGS..." ...]
-# Each line gets --report-json; a table of out tok/s, TTFT and the engine's step figures comes last.
+# Each line gets --report-json (lN-A-k / lN-B-k); summarize.py's table of them comes last.
 # The working tree must hold the change (B) when this starts; it is left so.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -23,13 +23,4 @@ for line in "$@"; do
     [ "$side" = A ] && { git apply "$PATCH" || exit 1; }
   done
 done
-python - "$OUT" <<'PY'
-import json, pathlib, sys
-for p in sorted(pathlib.Path(sys.argv[1]).glob("l*-*.json")):
-    for lv in json.loads(p.read_text())["levels"]:
-        if lv["backend"] != "enc2dec" and not lv["backend"].startswith("http"):
-            continue
-        print(f"{p.stem:<10}{lv['out_tok_per_s']:>10,.0f}  TTFT p50/p90/p99 {lv['p50_ttft_ms']:.0f}/{lv['p90_ttft_ms']:.0f}/"
-              f"{lv['p99_ttft_ms']:.0f}  step {lv.get('engine_step_ms') or 0:.2f} ms / {lv.get('engine_rows_per_step') or 0:.1f}"
-              f" / wait {lv.get('engine_device_wait_frac') or 0:.0%}")
-PY
+python bench/scripts/summarize.py "$OUT"

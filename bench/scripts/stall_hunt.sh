@@ -19,14 +19,8 @@ for line in "$@"; do
     echo "$name: exit $? after $((SECONDS - t0)) s"
   done
 done
-for f in "$OUT"/l*.json; do python - "$f" <<'PY'
-import json, pathlib, sys
-p = pathlib.Path(sys.argv[1])
-for lv in json.loads(p.read_text())["levels"]:
-    if lv["backend"] == "enc2dec":
-        print(f"{p.stem:<6}{lv['out_tok_per_s']:>9,.0f} dur {lv['duration_s']:.2f} s TTFT p50/p90/p99 {lv['p50_ttft_ms']:.0f}/"
-              f"{lv['p90_ttft_ms']:.0f}/{lv['p99_ttft_ms']:.0f} step {lv.get('engine_step_ms') or 0:.2f}")
-PY
-  ev=${f%.json}.events
+python bench/scripts/summarize.py "$OUT"
+for ev in "$OUT"/l*.events; do
+  echo "${ev##*/}: slow steps and long collections"
   grep -E "slow-step|gc gen" "$ev" 2>/dev/null | sed -E 's/^ *([0-9.]+) [0-9]+ /    \1 /' | cut -c1-170 | tail -${TAIL:-12}
 done
