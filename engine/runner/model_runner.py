@@ -214,9 +214,11 @@ class ModelRunner:
         decoding step, and every running request, 0.2-0.7 s (docs/benchmarks.md)."""
         if self.log_mel is None or self.device.type != "cuda":
             return
-        _, tokens, max_batch = self._encoder_limits(max_input_len)
-        clips = max(1, min(max_batch, tokens // max(1, self.model.max_encoder_positions or 1)))
-        streams = [torch.cuda.current_stream(self.device)] + [s for s in (self._encode_stream,) if s is not None]
+        length, tokens, max_batch = self._encoder_limits(max_input_len)
+        clips = max(1, min(max_batch, tokens // length))            # admission's largest microbatch
+        streams = [torch.cuda.current_stream(self.device)]
+        if self._encode_stream is not None:
+            streams.append(self._encode_stream)
         for stream in streams:
             with torch.cuda.stream(stream):
                 for b in range(1, clips + 1):
