@@ -271,7 +271,7 @@ class InputProcessor:
         if self.log_mel is not None:
             # The runner computes the features (on the GPU for the whole microbatch; on the CPU on
             # the engine thread, log_mel.ExtractorLogMel says why).
-            encoder_input = self.log_mel.pad(wave)                                    # [n_samples]
+            encoder_input = self.log_mel.clip(wave)                                   # [<= n_samples]
         else:
             encoder_input = fe(wave, sampling_rate=rate, return_tensors="np").input_features[0]  # [n_mels, 3000]
             encoder_input = encoder_input.astype(np.float32)

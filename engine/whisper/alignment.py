@@ -96,7 +96,7 @@ def _encode(core, model, waves: list[np.ndarray]):
 
     proc, dev = core.processor, core.device
     if proc.log_mel is not None:       # GPU: the engine's batched log-mel
-        feats = proc.log_mel(torch.as_tensor(np.stack([proc.log_mel.pad(w) for w in waves]), device=dev))
+        feats = proc.log_mel(proc.log_mel.batch(waves).to(dev))
     else:
         fe = proc.feature_extractor
         feats = torch.as_tensor(np.stack([fe(w, sampling_rate=fe.sampling_rate, return_tensors="np")
