@@ -147,7 +147,6 @@ TUNING_ENV = {
     "encoder_tokens_while_decoding": "ENC2DEC_ENCODER_TOKENS_WHILE_DECODING",
     "encoder_join_steps": "ENC2DEC_ENCODER_JOIN_STEPS",
     "encoder_beside_decoder": "ENC2DEC_ENCODER_BESIDE_DECODER",
-    "decode_stream_priority": "ENC2DEC_DECODE_STREAM_PRIORITY",
     "cpu_greedy_head": "ENC2DEC_CPU_GREEDY_HEAD",
 }
 
@@ -177,11 +176,6 @@ class TuningConfig:
     # (whisper-large-v3-turbo: 32 encoder layers, 4 decoder layers) wants more. Counted in
     # schedule() calls, not measured time, so a run's batches do not depend on GPU timing.
     encoder_join_steps: int = 1
-    # With the encoder beside the decoder, the decode steps run on a high-priority CUDA stream:
-    # the GPU hands a freed SM to a decode kernel before the next block of an encoder kernel, so
-    # a step's many small, memory-bound kernels do not queue behind the encoder's compute-bound
-    # GEMMs (which keep the SMs the decode leaves idle).
-    decode_stream_priority: bool = False
     # Float32 on the CPU: a step of bare argmax rows finds their ids through a bfloat16 copy of
     # the LM head and proves them in float32 (engine/runner/greedy_head.py), instead of reading
     # the float32 head whole.
@@ -189,8 +183,7 @@ class TuningConfig:
 
     def __post_init__(self):
         o = "tuning"
-        for name in ("skinny_gemm", "fused_gemv", "encoder_beside_decoder", "decode_stream_priority",
-                     "cpu_greedy_head"):
+        for name in ("skinny_gemm", "fused_gemv", "encoder_beside_decoder", "cpu_greedy_head"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{o}.{name} must be true or false, got {getattr(self, name)!r}")
         _check_positive_int(o, "attn_min_keys_per_split", self.attn_min_keys_per_split)

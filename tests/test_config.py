@@ -153,12 +153,10 @@ def test_tuning_from_yaml_and_env_overrides_land_in_the_args(tmp_path, monkeypat
     monkeypatch.setenv("ENC2DEC_ENCODER_BESIDE_DECODER", "0")
     monkeypatch.setenv("ENC2DEC_ENCODER_JOIN_STEPS", "4")
     monkeypatch.setenv("ENC2DEC_CPU_GREEDY_HEAD", "0")
-    flipped = not TuningConfig().decode_stream_priority
-    monkeypatch.setenv("ENC2DEC_DECODE_STREAM_PRIORITY", str(int(flipped)))
     tuning = dataclasses.asdict(LlmArgs.from_yaml(str(path)))["tuning"]     # what reports record
     assert tuning == {"skinny_gemm": False, "fused_gemv": False, "attn_min_keys_per_split": 256,
                       "tp_timeout_s": 30.0, "encoder_tokens_while_decoding": 3000, "encoder_beside_decoder": False,
-                      "encoder_join_steps": 4, "decode_stream_priority": flipped, "cpu_greedy_head": False}
+                      "encoder_join_steps": 4, "cpu_greedy_head": False}
     monkeypatch.setenv("ENC2DEC_FUSED_GEMV", "off")
     with pytest.raises(ValueError, match=r"ENC2DEC_FUSED_GEMV='off' \(tuning.fused_gemv\) is not valid"):
         LlmArgs()
@@ -232,4 +230,4 @@ def test_bench_report_records_the_tuning_in_effect(tmp_path, monkeypatch):
     assert json.loads(out.read_text())["engine_args"]["tuning"] == {
         "skinny_gemm": True, "fused_gemv": False, "attn_min_keys_per_split": 64, "tp_timeout_s": 600.0,
         "encoder_tokens_while_decoding": 0, "encoder_beside_decoder": True, "encoder_join_steps": 1,
-        "decode_stream_priority": False, "cpu_greedy_head": True}
+        "cpu_greedy_head": True}

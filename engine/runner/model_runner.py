@@ -148,21 +148,12 @@ class ModelRunner:
     """One rank's runner. With tensor parallelism (``tp``) every rank builds one and runs the
     same steps in lockstep; ``tensor_parallel.py`` (driver) and ``tp_worker.py`` add what differs."""
 
-    _step_stream: "torch.cuda.Stream | None" = None     # tuning.decode_stream_priority's stream
-
     def __init__(self, args, hf_config, model_path, device: torch.device, dtype: torch.dtype,
                  attn_backend: str, max_input_len: int, feature_extractor=None, tp: TensorParallelGroup = SINGLE):
         build = functools.partial(self._build, args, hf_config, model_path, device, dtype, attn_backend,
                                   max_input_len, feature_extractor, tp)
-        # Everything of this runner's, start-up included, runs on one stream, so the caching
-        # allocator's blocks measured and cached at start-up are the ones the steps reuse.
-        self._step_stream = torch.cuda.Stream(device, priority=-1) \
-            if encodes_beside(args, device, tp) and args.tuning.decode_stream_priority else None
         if device.type == "cpu" and tp.size == 1:
             on_fresh_thread(build)       # so the engine thread holds the only OpenMP pool (cpu_threads.py)
-        elif self._step_stream is not None:
-            with torch.cuda.stream(self._step_stream):
-                build()
         else:
             build()
 
@@ -349,12 +340,6 @@ class ModelRunner:
         """Enqueue a step's GPU work and return before it is done. A sequence whose input is
         the placeholder token (overlap mode) reads its token from the previous step's samples,
         which never leave the GPU for that purpose."""
-        if self._step_stream is None:
-            return self._launch(so)
-        with torch.cuda.stream(self._step_stream):
-            return self._launch(so)
-
-    def _launch(self, so: SchedulerOutput) -> "PendingStep":
         for rid in so.finished_request_ids:
             per_seq = self.states.pop(rid, None) or ()
             for seq_id in per_seq:
