@@ -26,11 +26,7 @@
 #            same runs with bf16 KV (wh-plain, t5-greedy: run those sections in the same call)
 #   desync-ab flan-t5-large and whisper-large-v3 with lengths spread, the encoder beside the decoder
 #            (ENC2DEC_ENCODER_BESIDE_DECODER=1, experimental) against the encoder inside the step
-#   prio-ab  whisper-large-v3 plain and --timestamps, each with the decode steps on the default
-#            stream and on a high-priority one (ENC2DEC_DECODE_STREAM_PRIORITY), then turbo with it
-#   prio-turbo turbo with the decode priority, encoder budgets and join steps from TURBO_PRIO (budget:join)
-#   prio-t5  flan-t5-large greedy with ENC2DEC_DECODE_STREAM_PRIORITY=$PRIO_T5 (default 1), against t5-greedy
-#   wh-rest  whisper-large-v3 --detect-language and 63 + 1 timestamped (the whisper section less prio-ab's runs)
+#   wh-rest  whisper-large-v3 --detect-language and 63 + 1 timestamped (the whisper section without plain and --timestamps, for a call that has run those)
 #   itl      the encoder budget of decoding steps (tuning.encoder_tokens_while_decoding): whisper-large-v3
 #            C=64 and bart-large-cnn 384/128 C=128, each with the default budget and with the old
 #            unbounded admission (the variable at 8192): ITL p50 / p99 and out tok/s side by side
@@ -190,27 +186,7 @@ for section in $SECTIONS; do
       SERVE_TAG=-p$k serve_bench auto
     done ;;
   wh-instep) RUN_ENV=ENC2DEC_ENCODER_BESIDE_DECODER=0 run wh-plain-instep $LIMIT $WHRUN ;;
-  prio-ab)   # decode steps on a high-priority stream (tuning.decode_stream_priority) against the
-             # default stream, alternating; turbo's default run is the turbo section's
-    P=ENC2DEC_DECODE_STREAM_PRIORITY
-    RUN_ENV=$P=0 run wh-plain $LIMIT $WHRUN
-    RUN_ENV=$P=1 run wh-plain-prio $LIMIT $WHRUN
-    RUN_ENV=$P=0 run wh-timestamps $LIMIT $WHRUN --timestamps
-    RUN_ENV=$P=1 run wh-timestamps-prio $LIMIT $WHRUN --timestamps
-    RUN_ENV=$P=1 run turbo-prio $LIMIT --model $WHT $COMMON $AUD --concurrency $C --num-requests $NUM
-    RUN_ENV= ;;
-  prio-turbo)   # turbo with the decode priority and larger encoder microbatches joining later
-                # (TURBO_PRIO: budget:join pairs, encoder tokens per decoding step and join steps)
-    for bj in ${TURBO_PRIO:-6000:3}; do
-      b=${bj%%:*} j=${bj##*:}
-      RUN_ENV="ENC2DEC_DECODE_STREAM_PRIORITY=1 ENC2DEC_ENCODER_TOKENS_WHILE_DECODING=$b ENC2DEC_ENCODER_JOIN_STEPS=$j" \
-          run turbo-prio-enc$b-join$j $LIMIT --model $WHT $COMMON $AUD --concurrency $C --num-requests $NUM
-    done
-    RUN_ENV= ;;
-  prio-t5)   # flan-t5-large greedy with the decode priority flipped from the default (the t5 section's run is the other side)
-    pv=${PRIO_T5:-1}; RUN_ENV=ENC2DEC_DECODE_STREAM_PRIORITY=$pv run t5-greedy-prio$pv $LIMIT $T5RUN
-    RUN_ENV= ;;
-  wh-rest)   # the whisper section's rows past plain and --timestamps (prio-ab runs those two)
+  wh-rest)   # the whisper section's rows past plain and --timestamps
     run wh-detect $LIMIT $WHRUN --detect-language
     run wh-mixed $LIMIT $WHRUN --timestamps-every $MIX ;;
   desync-ab)   # lengths spread (arrivals out of step), the encoder beside the decoder and inside the step
@@ -311,15 +287,6 @@ rows = [
     ("t5 lengths spread: beside / in step", ratio(level("t5-desync-beside"), level("t5-desync-instep")), 1.0),
     ("whisper lengths spread: beside / in step", ratio(level("wh-desync-beside"), level("wh-desync-instep")), 1.0),
     ("whisper fp8 KV / bf16 KV", ratio(level("wh-fp8"), level("wh-plain")), 12000 / 9000),
-    ("whisper plain: decode priority / none", ratio(level("wh-plain-prio"), level("wh-plain")), 1.0),
-    ("whisper timestamps: priority / none", ratio(level("wh-timestamps-prio"), level("wh-timestamps")), 1.0),
-    ("whisper timestamps / plain, priority", ratio(level("wh-timestamps-prio"), level("wh-plain-prio")), 0.90),
-    *[(f"t5 greedy, priority {p.stem[-1]} / default", ratio(level(p.stem), level("t5-greedy")), 1.0)
-      for p in sorted(work.glob("t5-greedy-prio*.json"))],
-    ("turbo: decode priority / none", ratio(level("turbo-prio"), level("turbo-hfc", conc=c)), 1.0),
-    *[(f"turbo {p.stem[6:]} / turbo", ratio(level(p.stem), level("turbo-hfc", conc=c)), 1.0)
-      for p in sorted(work.glob("turbo-prio-enc*.json"))],
-    (f"turbo with priority / {fast_base} C={c}", ratio(level("turbo-prio"), level("turbo-hfc", fast_base, c)), 3.0),
     ("t5 fp8 KV / bf16 KV", ratio(level("t5-fp8"), level("t5-greedy")), 1.0),
 ]
 print(f"\n{'target (out tok/s ratios)':<42}{'ratio':>8}{'target':>8}  met")
