@@ -214,16 +214,14 @@ class ModelRunner:
         decoding step, and every running request, 0.2-0.7 s (docs/benchmarks.md)."""
         if self.log_mel is None or self.device.type != "cuda":
             return
-        length, tokens, max_batch = self._encoder_limits(max_input_len)
-        clips = max(1, min(max_batch, tokens // length))            # admission's largest microbatch
+        _, clips = self._largest_encoder_batch(max_input_len)
         streams = [torch.cuda.current_stream(self.device)]
         if self._encode_stream is not None:
             streams.append(self._encode_stream)
         for stream in streams:
             with torch.cuda.stream(stream):
-                for b in range(1, clips + 1):     # the steps' path: pinned batch (its host blocks), copy, features
-                    waves = self.log_mel.batch([np.zeros(0, np.float32)] * b, pin=True)
-                    self.log_mel(waves.to(self.device, non_blocking=True))
+                for b in range(1, clips + 1):     # the steps' own path, pinned host blocks included
+                    self._log_mel_of([np.zeros(0, np.float32)] * b)
         torch.cuda.synchronize(self.device)
 
     def _maybe_capture(self, attn_backend: str, max_input_len: int):
@@ -278,9 +276,13 @@ class ModelRunner:
         ``max_position_embeddings`` is a device-side assert on the GPU, fatal to the process)."""
         from enc2dec.engine.runner.cuda_graph import uniform_encoder_batch
 
-        length, tokens, max_batch = self._encoder_limits(max_input_len)
-        batch = max(1, min(max_batch, tokens // length))
+        length, batch = self._largest_encoder_batch(max_input_len)
         return uniform_encoder_batch(batch, length, self.device, self.dtype, self._whisper_mels)
+
+    def _largest_encoder_batch(self, max_input_len: int) -> tuple[int, int]:
+        """(encoder length, requests) of the largest encoder microbatch admission allows."""
+        length, tokens, max_batch = self._encoder_limits(max_input_len)
+        return length, max(1, min(max_batch, tokens // length))
 
     def _encoder_limits(self, max_input_len: int) -> tuple[int, int, int]:
         """(longest encoder input inside the model's position table, encoder tokens per step,
@@ -528,14 +530,14 @@ class ModelRunner:
     def _whisper_features(self, encodes: list[ScheduledEncode]) -> torch.Tensor:
         inputs = [e.encoder_input for e in encodes]
         if inputs[0].ndim == 1:                     # raw waves of up to 30 s: features on the device
-            # Each wave copied once, padded, into one page-locked batch and sent in one copy: a
-            # 30 s wave is 1.9 MB, and this runs on the engine thread.
-            cuda = self.device.type == "cuda"
-            waves = self.log_mel.batch(inputs, pin=cuda)                            # [B, n_samples]
-            if cuda:
-                waves = waves.to(self.device, non_blocking=True)
-            return self.log_mel(waves).to(self.dtype)                               # [B, n_mels, 3000]
+            return self._log_mel_of(inputs).to(self.dtype)                         # [B, n_mels, 3000]
         return torch.stack([to_device(x, None, self.device) for x in inputs]).to(self.dtype)
+
+    def _log_mel_of(self, waves: list[np.ndarray]) -> torch.Tensor:
+        """Log-mel features of raw waves: each copied once, padded, into one batch (page-locked on
+        CUDA) sent in one copy; a 30 s wave is 1.9 MB, and this runs on the engine thread."""
+        batch = self.log_mel.batch(waves, pin=self.device.type == "cuda")             # [B, n_samples]
+        return self.log_mel(batch.to(self.device, non_blocking=True))                # [B, n_mels, 3000]
 
     def _prepare_decode(self, seqs: list[ScheduledSeq], fill: list[list[int]] | None = None):
         # Per sequence, one map() per field read; the rest is numpy (no list per row: at 256 rows
