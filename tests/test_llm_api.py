@@ -224,6 +224,11 @@ def test_whisper_bad_audio(whisper):
             llm.generate({"prompt": "", "multi_modal_data": {"audio": [(np.zeros(44100, np.float32), 44100)]}})
         with pytest.raises(ValueError, match="exactly one audio clip"):
             llm.generate({"prompt": "", "multi_modal_data": {"audio": []}})
+        with pytest.raises(ValueError, match="mono audio"):
+            llm.generate({"prompt": "", "multi_modal_data": {"audio": [(np.zeros((16000, 2), np.float32), 16000)]}})
+        for shape in ((), (2, 8000, 2)):    # not a wave: refused at submission, the engine keeps serving
+            with pytest.raises(ValueError, match=r"1-D array of samples, got shape"):
+                llm.generate({"prompt": "", "multi_modal_data": {"audio": [(np.zeros(shape, np.float32), 16000)]}})
         assert len(good.result(timeout=60).outputs[0].token_ids) == 4
         with pytest.raises(ValueError, match="max_input_len=1024 is too small for Whisper"):
             LLM(whisper, max_input_len=1024, kv_cache_config=KV)

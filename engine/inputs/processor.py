@@ -305,4 +305,6 @@ class InputProcessor:
         if wave.ndim == 2:
             raise ValueError("the engine takes mono audio; mix channels down first "
                              "(enc2dec transcribe does this for you)")
+        if wave.ndim != 1:    # caught here, not at its encode on the engine thread
+            raise ValueError(f"an audio clip is a 1-D array of samples, got shape {wave.shape}")
         return wave, int(rate)
