@@ -17,7 +17,7 @@
 #   desync   flan-t5-large greedy with output lengths spread (--output-dist uniform), in-process and
 #            through serve (auto): the same workload without the synchronised waves of fixed lengths
 #   fast     whisper-large-v3-turbo at C=64 and flan-t5-base at C=256, each against hf-compile
-#            (turbo: the first of the two only; turbo-unbounded: turbo again without the
+#            (turbo, t5base: the first or the second of the two only; turbo-unbounded: turbo again without the
 #            one-clip-per-decoding-step encoder budget, no baseline; turbo-budgets: the budgets in
 #            TURBO_BUDGETS, encoder tokens per decoding step)
 #   turbo-join turbo with a request's encode joining k decoding steps later (TURBO_JOINS, k:budget
@@ -26,6 +26,8 @@
 #            same runs with bf16 KV (wh-plain, t5-greedy: run those sections in the same call)
 #   desync-ab flan-t5-large and whisper-large-v3 with lengths spread, the encoder beside the decoder
 #            (ENC2DEC_ENCODER_BESIDE_DECODER=1, experimental) against the encoder inside the step
+#   turbo-ab, wh-ab  turbo (whisper-large-v3) once per AB entry (NAME:VAR=v,VAR=v: tuning variables
+#            for that run), each against turbo-hfc's (wh-plain's) enc2dec figure of the same call
 #   wh-rest  whisper-large-v3 --detect-language and 63 + 1 timestamped (the whisper section without plain and --timestamps, for a call that has run those)
 #   itl      the encoder budget of decoding steps (tuning.encoder_tokens_while_decoding): whisper-large-v3
 #            C=64 and bart-large-cnn 384/128 C=128, each with the default budget and with the old
@@ -167,6 +169,17 @@ for section in $SECTIONS; do
       run turbo-join$k-enc$b $LIMIT --model $WHT $COMMON $AUD --concurrency $C --num-requests $NUM
     done
     RUN_ENV= ;;
+  turbo-ab|wh-ab)   # turbo (wh-ab: whisper-large-v3) under tuning variables, against turbo-hfc / wh-plain
+    # AB: NAME:VAR=v,VAR=v entries, one run each
+    for spec in ${AB:-j3:ENC2DEC_ENCODER_JOIN_STEPS=3}; do
+      envs=${spec#*:}; RUN_ENV="${envs//,/ }"
+      if [ $section = turbo-ab ]; then
+        run turbo-ab-${spec%%:*} $LIMIT --model $WHT $COMMON $AUD --concurrency $C --num-requests $NUM
+      else
+        run wh-ab-${spec%%:*} $LIMIT $WHRUN
+      fi
+    done
+    RUN_ENV= ;;
   turbo)
     run turbo-hfc ${FAST_LIMIT_S:-$((LIMIT * 2))} --model $WHT $COMMON $AUD --concurrency $C --num-requests $NUM \
         --baseline $FASTBASE ;;
@@ -185,6 +198,7 @@ for section in $SECTIONS; do
       run t5-greedy-p$k $LIMIT $T5RUN
       SERVE_TAG=-p$k serve_bench auto
     done ;;
+  wh-plain) run wh-plain $LIMIT $WHRUN ;;
   wh-instep) RUN_ENV=ENC2DEC_ENCODER_BESIDE_DECODER=0 run wh-plain-instep $LIMIT $WHRUN ;;
   wh-rest)   # the whisper section's rows past plain and --timestamps
     run wh-detect $LIMIT $WHRUN --detect-language
@@ -203,6 +217,9 @@ for section in $SECTIONS; do
     run wh-budget $LIMIT $WHRUN
     RUN_ENV=ENC2DEC_ENCODER_TOKENS_WHILE_DECODING=8192 run bart-unbounded $LIMIT $BARTRUN
     run bart-budget $LIMIT $BARTRUN ;;
+  t5base)
+    run t5base-hfc ${FAST_LIMIT_S:-$((LIMIT * 2))} --model $T5B ${COMMON/--max-batch-size $C/--max-batch-size $CB} \
+        $TXT --concurrency $CB --num-requests $NUMB --baseline $FASTBASE ;;
   fast)
     run turbo-hfc ${FAST_LIMIT_S:-$((LIMIT * 2))} --model $WHT $COMMON $AUD --concurrency $C --num-requests $NUM \
         --baseline $FASTBASE
@@ -284,6 +301,10 @@ rows = [
     ("turbo unbounded encoder / turbo", ratio(level("turbo-unbounded"), level("turbo-hfc", conc=c)), 1.0),
     *[(f"turbo {p.stem[6:]} / turbo", ratio(level(p.stem), level("turbo-hfc", conc=c)), 1.0)
       for p in sorted(work.glob("turbo-join*.json"))],
+    *[(f"turbo {p.stem[9:]} / turbo", ratio(level(p.stem), level("turbo-hfc", conc=c)), 1.0)
+      for p in sorted(work.glob("turbo-ab-*.json"))],
+    *[(f"whisper {p.stem[6:]} / plain", ratio(level(p.stem), level("wh-plain")), 1.0)
+      for p in sorted(work.glob("wh-ab-*.json"))],
     ("t5 lengths spread: beside / in step", ratio(level("t5-desync-beside"), level("t5-desync-instep")), 1.0),
     ("whisper lengths spread: beside / in step", ratio(level("wh-desync-beside"), level("wh-desync-instep")), 1.0),
     ("whisper fp8 KV / bf16 KV", ratio(level("wh-fp8"), level("wh-plain")), 12000 / 9000),
