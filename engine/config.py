@@ -162,8 +162,9 @@ class TuningConfig:
     tp_timeout_s: float = 600.0           # longest wait of a tensor-parallel collective or worker start-up
     # Encoder positions admitted in a step that also decodes running sequences. 0 (auto): one
     # clip for Whisper, so admitting requests costs the running ones at most one encoder pass of
-    # latency per step; no bound for text models, whose encoders are cheap. A value bounds any
-    # model (smoother inter-token latency, slower fill after a burst of arrivals).
+    # latency per step (two for an encoder-heavy Whisper encoded beside the decoder, see
+    # ``encoder_admission``); no bound for text models, whose encoders are cheap. A value bounds
+    # any model (smoother inter-token latency, slower fill after a burst of arrivals).
     encoder_tokens_while_decoding: int = 0
     # On one CUDA GPU, requests admitted while others decode are encoded on a second stream,
     # beside the next decode step, and join the batch one step later, so the running sequences
@@ -175,7 +176,8 @@ class TuningConfig:
     # suits an encoder that costs about a decoding step; a model whose encoder costs several
     # (whisper-large-v3-turbo: 32 encoder layers, 4 decoder layers) wants more. Counted in
     # schedule() calls, not measured time, so a run's batches do not depend on GPU timing.
-    encoder_join_steps: int = 1
+    # 0 (auto): 2 for an encoder-heavy Whisper, else 1 (``encoder_admission``).
+    encoder_join_steps: int = 0
     # Float32 on the CPU: a step of bare argmax rows finds their ids through a bfloat16 copy of
     # the LM head and proves them in float32 (engine/runner/greedy_head.py), instead of reading
     # the float32 head whole.
@@ -188,7 +190,7 @@ class TuningConfig:
                 raise ValueError(f"{o}.{name} must be true or false, got {getattr(self, name)!r}")
         _check_positive_int(o, "attn_min_keys_per_split", self.attn_min_keys_per_split)
         _check_positive_int(o, "encoder_tokens_while_decoding", self.encoder_tokens_while_decoding, allow_zero=True)
-        _check_positive_int(o, "encoder_join_steps", self.encoder_join_steps)
+        _check_positive_int(o, "encoder_join_steps", self.encoder_join_steps, allow_zero=True)
         t = self.tp_timeout_s
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0:
             raise ValueError(f"{o}.tp_timeout_s must be a number of seconds > 0, got {t!r}")

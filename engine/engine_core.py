@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from enc2dec.engine.core.admission import encoder_admission
 from enc2dec.engine.core.batch import SchedulerOutput
 from enc2dec.engine.core.beam_search import BeamState, Hypothesis
 from enc2dec.engine.config import LlmArgs
@@ -170,12 +171,7 @@ class EngineCore:
             max_num_tokens=args.max_num_tokens,
             encoder_max_batch_size=args.encoder_max_batch_size or args.max_batch_size,
             encoder_max_num_tokens=args.encoder_max_num_tokens or args.max_num_tokens,
-            tokens_per_block=args.kv_cache_config.tokens_per_block,
-            encoder_max_num_tokens_while_decoding=args.tuning.encoder_tokens_while_decoding or (
-                # By measurement (docs/benchmarks.md, Run M): one Whisper clip per decoding step
-                # takes ITL p99/p50 from 5.2 to 1.1 for 5% of throughput; for BART's cheap
-                # 384-token encoder the same rule costs 26%, so text models admit as much as fits.
-                max_input_len if self.is_whisper else 0))
+            tokens_per_block=args.kv_cache_config.tokens_per_block)
         if max_input_len > min(self.limits.encoder_max_num_tokens, self.limits.max_num_tokens):
             raise ValueError(f"max_input_len={max_input_len} exceeds the per-step encoder token budget "
                              f"(encoder_max_num_tokens={self.limits.encoder_max_num_tokens}, max_num_tokens="
@@ -201,8 +197,12 @@ class EngineCore:
                     plan.describe(max_input_len, args.max_seq_len or 256))
         if self.runner.graphs is not None:
             self.limits = dataclasses.replace(self.limits, feed_prompt_one_token_per_step=True)
-        if getattr(self.runner, "encodes_beside", False):          # a tensor-parallel driver has none
-            self.limits = dataclasses.replace(self.limits, defer_joins_while_decoding=args.tuning.encoder_join_steps)
+        cfg = src.hf_config
+        tokens, join = encoder_admission(
+            args.tuning, self.is_whisper, getattr(cfg, "encoder_layers", 0), getattr(cfg, "decoder_layers", 0),
+            max_input_len, getattr(self.runner, "encodes_beside", False))    # a tensor-parallel driver has none
+        self.limits = dataclasses.replace(self.limits, encoder_max_num_tokens_while_decoding=tokens,
+                                          defer_joins_while_decoding=join)
         self.scheduler = Scheduler(self.limits, plan.num_self_blocks, plan.num_cross_blocks)
         self._live: dict[str, _Tracked] = {}
         self._ids = itertools.count()

@@ -128,7 +128,7 @@ def test_config_import_does_not_pull_torch():
     ({"tuning": {"encoder_tokens_while_decoding": -1}}, "tuning.encoder_tokens_while_decoding must be an integer >= 0"),
     ({"tuning": {"fused_gemv": "no"}}, "tuning.fused_gemv must be true or false"),
     ({"tuning": {"encoder_beside_decoder": 1}}, "tuning.encoder_beside_decoder must be true or false"),
-    ({"tuning": {"encoder_join_steps": 0}}, "tuning.encoder_join_steps must be an integer >= 1"),
+    ({"tuning": {"encoder_join_steps": -1}}, "tuning.encoder_join_steps must be an integer >= 0"),
     ({"tuning": {"fused_gemm": False}}, "unknown tuning key 'fused_gemm'.*'fused_gemv'"),
     ({"trust_remote_code": "yes"}, "trust_remote_code must be true or false"),
 ])
@@ -229,5 +229,5 @@ def test_bench_report_records_the_tuning_in_effect(tmp_path, monkeypatch):
     assert r.exit_code == 0, r.output
     assert json.loads(out.read_text())["engine_args"]["tuning"] == {
         "skinny_gemm": True, "fused_gemv": False, "attn_min_keys_per_split": 64, "tp_timeout_s": 600.0,
-        "encoder_tokens_while_decoding": 0, "encoder_beside_decoder": True, "encoder_join_steps": 1,
+        "encoder_tokens_while_decoding": 0, "encoder_beside_decoder": True, "encoder_join_steps": 0,
         "cpu_greedy_head": True}

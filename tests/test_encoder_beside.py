@@ -163,6 +163,81 @@ def test_engine_with_deferred_joins_matches_the_engine_without(flan_t5, monkeypa
     assert results == reference and len(results) == len(prompts)
 
 
+@pytest.mark.parametrize("name,beside,expected", [
+    ("openai/whisper-large-v3-turbo", True, (3000, 2)),     # 4 decoder layers to 32 encoder layers
+    ("distil-whisper/distil-large-v3", True, (3000, 2)),
+    ("openai/whisper-large-v3", True, (1500, 1)),
+    ("openai/whisper-small", True, (1500, 1)),
+    ("openai/whisper-large-v3-turbo", False, (1500, 0)),    # CPU, tensor parallel: encodes in the step
+    ("google/flan-t5-large", True, (0, 1)),
+])
+def test_auto_encoder_admission_of_the_real_configs(name, beside, expected):
+    """Two clips a decoding step, joining two steps later, only for a Whisper whose encoder
+    outweighs its decoder and is encoded beside it; what tuning sets wins."""
+    from enc2dec.engine.core.admission import encoder_admission
+    from enc2dec.engine.inputs.known_configs import get_known_config
+
+    cfg = get_known_config(name)
+    whisper = cfg.model_type == "whisper"
+    layers = (cfg.encoder_layers, cfg.decoder_layers) if whisper else (cfg.num_layers, cfg.num_decoder_layers)
+    assert encoder_admission(TuningConfig(), whisper, *layers, 1500 if whisper else 512, beside) == expected
+    set_ = TuningConfig(encoder_tokens_while_decoding=4500, encoder_join_steps=3)
+    assert encoder_admission(set_, whisper, *layers, 1500, beside) == (4500, 3 if beside else 0)
+
+
+def test_an_encoder_heavy_whisper_engine_admits_two_clips_a_step_and_matches_the_engine_without(
+        whisper, tmp_path, monkeypatch):
+    """The engine loop on the CPU with a Whisper of 4 encoder layers and 1 decoder layer (dummy
+    weights, the same for both engines): beside the decoder it admits two clips while decoding
+    and joins them two steps later; its tokens equal those of the engine that encodes in the step."""
+    import json
+    import shutil
+
+    import numpy as np
+
+    heavy = tmp_path / "heavy"
+    shutil.copytree(whisper, heavy)
+    cfg = json.loads((heavy / "config.json").read_text())
+    cfg.update(encoder_layers=4, decoder_layers=1)
+    (heavy / "config.json").write_text(json.dumps(cfg))
+    prompts = [{"multi_modal_data": {"audio": [(np.random.default_rng(i).standard_normal(8000 * (1 + i % 3))
+                                                .astype(np.float32) * 0.1, 16000)]}} for i in range(8)]
+    # in pairs of equal lengths: two requests finish in a step, so two wait to be admitted in the next
+    params = [SamplingParams(max_tokens=3 + i // 2 % 3, temperature=0.0, ignore_eos=True) for i in range(8)]
+
+    def run(beside: bool):
+        monkeypatch.setattr(model_runner, "encodes_beside", lambda args, device, tp: beside)
+        core = EngineCore(LlmArgs(model=str(heavy), load_format="dummy", dtype="float32", max_batch_size=4,
+                                  kv_cache_config=KvCacheConfig(cross_kv_cache_fraction=0.5,
+                                                                max_cpu_memory_bytes=256 << 20)))
+        lim = core.limits
+        assert (lim.encoder_max_num_tokens_while_decoding, lim.defer_joins_while_decoding) == \
+            ((3000, 2) if beside else (1500, 0))
+        encodes = []
+        launch = core.runner.launch
+
+        def counted(so):    # (clips encoded, whether the step also decodes requests admitted before)
+            new = {e.request_id for e in so.encodes}
+            encodes.append((len(new), any(s.request_id not in new for s in so.seqs)))
+            return launch(so)
+        core.runner.launch = counted
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            core.add(core.make_request(p, sp, request_id=f"r{i}"))
+        results, steps = {}, 0
+        while core.has_work():
+            results.update((o.request_id, o.outputs[0].token_ids) for o in core.step() if o.finished)
+            steps += 1
+            assert steps < 500
+        core.shutdown()
+        return results, encodes
+
+    reference, in_step = run(False)
+    results, encodes = run(True)
+    assert max(n for n, decoding in in_step if decoding) == 1
+    assert max(n for n, decoding in encodes if decoding) == 2      # two clips beside a decode step
+    assert results == reference and len(results) == len(prompts)
+
+
 def test_a_request_preempted_during_its_encode_waits_for_its_new_one():
     """Its first encode's turn coming must not let it join: the cross blocks it holds now are
     written by the second encode, which may still be running."""

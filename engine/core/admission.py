@@ -42,6 +42,29 @@ class SchedulerLimits:
                 raise ValueError(f"{f.name} must be a positive integer, got {value!r}")
 
 
+def encoder_admission(tuning, is_whisper: bool, encoder_layers: int, decoder_layers: int,
+                      encoder_len: int, beside: bool) -> tuple[int, int]:
+    """(encoder positions admitted in a step that also decodes, decoding steps a request
+    encoded beside them waits before it joins; 0 when nothing encodes beside) for the
+    ``tuning`` values, 0 meaning auto.
+
+    Auto: one clip per decoding step for Whisper, no bound for text models, joining one step
+    later. An encoder-heavy Whisper (at most a quarter as many decoder as encoder layers:
+    whisper-large-v3-turbo 4 of 32, distil-large-v3 2 of 32) encoded beside the decoder takes two
+    clips a step and joins two steps later: its encoder costs several decoding steps, so two clips
+    per launch (8% less encoder time a clip) with two steps to run beside gave turbo 8% more out
+    tok/s and 17% lower TPOT at C=64 (docs/benchmarks.md, session 27); its ITL p99 rose from 6.7
+    to 10.9 ms while p50 fell from 5.9 to 1.2 ms."""
+    heavy = is_whisper and beside and 4 * decoder_layers <= encoder_layers
+    tokens = tuning.encoder_tokens_while_decoding or (
+        # By measurement (docs/benchmarks.md, Run M): one Whisper clip per decoding step takes
+        # ITL p99/p50 from 5.2 to 1.1 for 5% of throughput; for BART's cheap 384-token encoder
+        # the same rule costs 26%, so text models admit as much as fits.
+        (2 if heavy else 1) * encoder_len if is_whisper else 0)
+    join = (tuning.encoder_join_steps or (2 if heavy else 1)) if beside else 0
+    return tokens, join
+
+
 def max_kv_tokens(req: Request, seq: Sequence) -> int:
     """Most decoder positions ``seq`` ever holds in the self pool (its last token is never fed)."""
     return seq.num_hidden_tokens + req.max_output_tokens - 1
