@@ -147,6 +147,7 @@ TUNING_ENV = {
     "encoder_tokens_while_decoding": "ENC2DEC_ENCODER_TOKENS_WHILE_DECODING",
     "encoder_join_steps": "ENC2DEC_ENCODER_JOIN_STEPS",
     "encoder_beside_decoder": "ENC2DEC_ENCODER_BESIDE_DECODER",
+    "cross_kv_head_major": "ENC2DEC_CROSS_KV_HEAD_MAJOR",
     "cpu_greedy_head": "ENC2DEC_CPU_GREEDY_HEAD",
 }
 
@@ -178,6 +179,11 @@ class TuningConfig:
     # schedule() calls, not measured time, so a run's batches do not depend on GPU timing.
     # 0 (auto): 2 for an encoder-heavy Whisper, else 1 (``encoder_admission``).
     encoder_join_steps: int = 0
+    # The triton backend's cross K/V pools stored head-major ([heads, blocks, positions,
+    # head_dim]): a decode program, one (row, head), then reads a request's keys for its head
+    # as one contiguous run instead of 128-byte rows 2.5 KB apart (whisper-large-v3). Off until
+    # measured on a GPU; the torch backend (the CPU) always stores every pool head-major.
+    cross_kv_head_major: bool = False
     # Float32 on the CPU: a step of bare argmax rows finds their ids through a bfloat16 copy of
     # the LM head and proves them in float32 (engine/runner/greedy_head.py), instead of reading
     # the float32 head whole.
@@ -185,7 +191,8 @@ class TuningConfig:
 
     def __post_init__(self):
         o = "tuning"
-        for name in ("skinny_gemm", "fused_gemv", "encoder_beside_decoder", "cpu_greedy_head"):
+        for name in ("skinny_gemm", "fused_gemv", "encoder_beside_decoder", "cross_kv_head_major",
+                     "cpu_greedy_head"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{o}.{name} must be true or false, got {getattr(self, name)!r}")
         _check_positive_int(o, "attn_min_keys_per_split", self.attn_min_keys_per_split)

@@ -199,3 +199,29 @@ def test_cpu_pools_take_memory_only_for_the_blocks_written():
     assert _rss_bytes() - before < 64 << 20
     fp8 = KVCache.allocate(1, 8, 64, 32, 64, 64, torch.bfloat16, "cpu", fp8=True)
     assert fp8.self_kv[0].k.dtype == torch.float8_e4m3fn and float(fp8.self_kv[0].k.float().abs().sum()) == 0.0
+
+
+def test_pool_layouts():
+    """Head-major pools keep the usual shape with heads outermost in memory; the cross pools'
+    layout can be chosen alone (the triton backend's tuning.cross_kv_head_major), FP8 included,
+    while FP8 scale pools stay token-major."""
+    import torch
+
+    from enc2dec.engine.models.attention import KVCache
+
+    def heads_outermost(t):
+        return t.stride(2) == t.shape[0] * t.shape[1] * t.shape[3]
+
+    cpu = KVCache.allocate(1, 4, 8, 16, 10, 12, torch.float32, "cpu", head_major=True)
+    assert all(heads_outermost(t) for t in (cpu.self_kv[0].k, cpu.cross_kv[0].v))
+    for fp8 in (False, True):
+        kv = KVCache.allocate(1, 4, 8, 16, 10, 12, torch.bfloat16, "cpu", fp8=fp8, cross_head_major=True)
+        assert kv.self_kv[0].k.is_contiguous() and kv.self_kv[0].k.shape == (10, 16, 4, 8)
+        cross = kv.cross_kv[0]
+        assert cross.k.shape == cross.v.shape == (12, 16, 4, 8) and heads_outermost(cross.k) and heads_outermost(cross.v)
+        assert fp8 == (cross.k.dtype == torch.float8_e4m3fn)
+        if fp8:
+            assert cross.k_scale.is_contiguous() and cross.k_scale.shape == (12, 16, 4)
+    # FP8 pools on the torch backend (head_major=True) stay token-major, as that backend reads them
+    fp8_cpu = KVCache.allocate(1, 4, 8, 16, 10, 12, torch.bfloat16, "cpu", fp8=True, head_major=True)
+    assert fp8_cpu.self_kv[0].k.is_contiguous() and fp8_cpu.cross_kv[0].k.is_contiguous()

@@ -78,6 +78,28 @@ def test_graphs_match_eager_in_bfloat16(flan_t5):
     assert graphed == eager
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_head_major_cross_pools_give_the_same_tokens(whisper, fp8):
+    """tuning.cross_kv_head_major only moves where the cross K/V sits: bf16 graphs, the encoder
+    writing through its own graphs, the same greedy tokens (FP8 pools too)."""
+    import numpy as np
+
+    from enc2dec.engine import TuningConfig
+
+    prompts = [{"multi_modal_data": {"audio": [(np.random.default_rng(i).standard_normal(16000 * (1 + i % 3))
+                                                .astype(np.float32) * 0.1, 16000)]}} for i in range(6)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    kv = KvCacheConfig(cross_kv_cache_fraction=0.5, free_gpu_memory_fraction=0.2, dtype="fp8" if fp8 else "auto")
+    tokens = []
+    for head_major in (False, True):
+        with LLM(whisper, dtype="bfloat16", max_batch_size=4, kv_cache_config=kv,
+                 tuning=TuningConfig(cross_kv_head_major=head_major)) as llm:
+            cross = llm.engine.runner.kv.cross_kv[0].k
+            assert cross.is_contiguous() is not head_major
+            tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert tokens[0] == tokens[1]
+
+
 def test_whisper_float32_on_gpu_with_device_log_mel_matches_transformers(whisper):
 
     import numpy as np

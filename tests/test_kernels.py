@@ -112,6 +112,36 @@ def test_paged_attention_whisper_length_cross(splits):
     check_paged(case, causal=False, use_bias=False, num_splits=splits)
 
 
+def _head_major(cache: torch.Tensor) -> torch.Tensor:
+    """The same values stored [heads, blocks, positions, head_dim], seen in the usual shape
+    (``KVCache.allocate``'s head-major pools)."""
+    return cache.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
+
+
+@pytest.mark.parametrize("causal,splits", [(False, 1), (False, 4), (True, 2)])
+def test_paged_attention_reads_head_major_pools_as_token_major_ones(causal, splits):
+    """The kernel follows the pools' strides: head-major storage gives the token-major result bit
+    for bit (the same kernel arithmetic) and the reference's within tolerance."""
+    case = make_paged_case([1500, 700, 33], [1, 1, 2], 3, 64, seed=13)
+    expected = check_paged(case, causal=causal, use_bias=False, num_splits=splits)
+    hm = {**case, "k_cache": _head_major(case["k_cache"]), "v_cache": _head_major(case["v_cache"])}
+    assert hm["k_cache"].stride(2) == hm["k_cache"].shape[0] * 16 * 64           # heads outermost
+    got = check_paged(hm, causal=causal, use_bias=False, num_splits=splits)
+    assert torch.equal(got, expected)
+
+
+def test_store_kv_writes_head_major_pools():
+    g = torch.Generator().manual_seed(8)
+    k, v = (torch.randn(20, 3, 64, generator=g).to(DEVICE) for _ in range(2))
+    slots = torch.randperm(4 * 16, generator=g)[:20].to(DEVICE)
+    token_major = [torch.zeros(4, 16, 3, 64, device=DEVICE) for _ in range(2)]
+    head_major = [_head_major(torch.zeros(4, 16, 3, 64, device=DEVICE)) for _ in range(2)]
+    store_kv(k, v, *token_major, slots)
+    store_kv(k, v, *head_major, slots)
+    for a, b in zip(head_major, token_major):
+        assert b.abs().sum() > 0 and torch.equal(a, b)
+
+
 @pytest.mark.parametrize("splits", [1, 2])
 def test_paged_attention_padding_tokens_get_zeros(splits):
     case = make_paged_case([12, 30], [1, 2], 2, 64, seed=3, pad_tokens=2)

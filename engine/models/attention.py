@@ -120,32 +120,37 @@ class KVCache:
     @staticmethod
     def allocate(num_layers: int, num_heads: int, head_dim: int, tokens_per_block: int,
                  num_self_blocks: int, num_cross_blocks: int, dtype, device, fp8: bool = False,
-                 head_major: bool = False) -> "KVCache":
+                 head_major: bool = False, cross_head_major: bool | None = None) -> "KVCache":
         """``fp8``: e4m3 pools with float16 scales (``kv_cache_config.dtype="fp8"``), else ``dtype``.
 
         ``head_major``: each pool is stored [num_heads, num_blocks, tokens_per_block, head_dim] and
         handed out as the permuted view with the usual shape. A request's consecutive blocks then
         hold each head's keys as one contiguous run, which a CPU decode step's attention streams
         (token-major, a head's 64 values sit 2 KB apart: whisper-base's cross-attention over 1500
-        positions at 6 rows took 17.5 ms a step against 13.1 head-major, on 2 cores). The Triton
-        kernels index the token-major layout, so only the torch backend asks for it."""
+        positions at 6 rows took 17.5 ms a step against 13.1 head-major, on 2 cores).
+        ``cross_head_major`` (default: ``head_major``) sets the cross pools' layout alone: the
+        Triton kernels take any strides, but the fused GEMV's self K/V store needs token-major
+        self pools (``tuning.cross_kv_head_major``). FP8 pools are head-major only when
+        ``cross_head_major`` says so; their scale pools are always token-major."""
         from enc2dec.kernels.reference import FP8_SCALE_DTYPE
 
-        def pool(n):
-            if head_major:
-                return pool_zeros((num_heads, n, tokens_per_block, head_dim), dtype, device).permute(1, 2, 0, 3)
-            return pool_zeros((n, tokens_per_block, num_heads, head_dim), dtype, device)
+        def pool(n, pool_dtype, major):
+            if major:
+                return pool_zeros((num_heads, n, tokens_per_block, head_dim), pool_dtype, device).permute(1, 2, 0, 3)
+            return pool_zeros((n, tokens_per_block, num_heads, head_dim), pool_dtype, device)
 
-        def layer(n):
-            shape = (n, tokens_per_block, num_heads, head_dim)
+        def layer(n, major):
             if not fp8:
-                return LayerKV(pool(n), pool(n))
-            k, v = (pool_zeros(shape, torch.float8_e4m3fn, device) for _ in range(2))
-            k_scale, v_scale = (pool_zeros(shape[:3], FP8_SCALE_DTYPE, device) for _ in range(2))
+                return LayerKV(pool(n, dtype, major), pool(n, dtype, major))
+            k, v = (pool(n, torch.float8_e4m3fn, major) for _ in range(2))
+            k_scale, v_scale = (pool_zeros((n, tokens_per_block, num_heads), FP8_SCALE_DTYPE, device)
+                                for _ in range(2))
             return LayerKV(k, v, k_scale, v_scale)
 
-        return KVCache([layer(num_self_blocks) for _ in range(num_layers)],
-                       [layer(num_cross_blocks) for _ in range(num_layers)])
+        head_major = head_major and not fp8          # the torch backend reads FP8 pools token-major
+        cross_major = head_major if cross_head_major is None else cross_head_major
+        return KVCache([layer(num_self_blocks, head_major) for _ in range(num_layers)],
+                       [layer(num_cross_blocks, cross_major) for _ in range(num_layers)])
 
 
 def get_attention_backend(name: str, min_keys_per_split: int = 32):
