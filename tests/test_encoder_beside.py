@@ -127,6 +127,19 @@ def test_aborts_while_encodes_are_in_flight_leak_nothing():
     assert sched.self_pool.num_used_blocks == 0 and sched.cross_pool.num_used_blocks == 0
 
 
+def _drain(core: EngineCore, prompts, params) -> dict:
+    """Submit every prompt to the engine loop, step it until all finish, shut it down: {id: tokens}."""
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        core.add(core.make_request(p, sp, request_id=f"r{i}"))
+    results, steps = {}, 0
+    while core.has_work():
+        results.update((o.request_id, o.outputs[0].token_ids) for o in core.step() if o.finished)
+        steps += 1
+        assert steps < 500
+    core.shutdown()
+    return results
+
+
 @pytest.mark.parametrize("overlap,join_steps", [(True, 1), (False, 1), (True, 3)])
 def test_engine_with_deferred_joins_matches_the_engine_without(flan_t5, monkeypatch, overlap, join_steps):
     """The real engine loop and runner on the CPU (which has no second stream: its encodes run in
@@ -146,14 +159,7 @@ def test_engine_with_deferred_joins_matches_the_engine_without(flan_t5, monkeypa
         tickets = []
         launch = core.runner.launch
         core.runner.launch = lambda so: (tickets.append(so.encode_ticket), launch(so))[1]
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            core.add(core.make_request(p, sp, request_id=f"r{i}"))
-        results, steps = {}, 0
-        while core.has_work():
-            results.update((o.request_id, o.outputs[0].token_ids) for o in core.step() if o.finished)
-            steps += 1
-            assert steps < 500
-        core.shutdown()
+        results = _drain(core, prompts, params)
         return results, tickets
 
     reference, no_tickets = run(False)
@@ -221,14 +227,7 @@ def test_an_encoder_heavy_whisper_engine_admits_two_clips_a_step_and_matches_the
             encodes.append((len(new), any(s.request_id not in new for s in so.seqs)))
             return launch(so)
         core.runner.launch = counted
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            core.add(core.make_request(p, sp, request_id=f"r{i}"))
-        results, steps = {}, 0
-        while core.has_work():
-            results.update((o.request_id, o.outputs[0].token_ids) for o in core.step() if o.finished)
-            steps += 1
-            assert steps < 500
-        core.shutdown()
+        results = _drain(core, prompts, params)
         return results, encodes
 
     reference, in_step = run(False)
