@@ -204,8 +204,8 @@ class EngineCore:
         self.limits = dataclasses.replace(self.limits, encoder_max_num_tokens_while_decoding=tokens,
                                           defer_joins_while_decoding=join)
         if tokens or join:      # what tuning's auto values (0) resolved to for this model and device
-            logger.info("admission while decoding: %s encoder positions a step%s",
-                        tokens or "unbounded", f", encoded beside the decoder, joining {join} step{'s' * (join > 1)} later" if join else "")
+            beside = f", encoded beside the decoder, joining {join} step{'s' * (join > 1)} later" if join else ""
+            logger.info("admission while decoding: %s encoder positions a step%s", tokens or "unbounded", beside)
         self.scheduler = Scheduler(self.limits, plan.num_self_blocks, plan.num_cross_blocks)
         self._live: dict[str, _Tracked] = {}
         self._ids = itertools.count()
