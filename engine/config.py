@@ -182,7 +182,7 @@ class TuningConfig:
     # The triton backend's cross K/V pools stored head-major ([heads, blocks, positions,
     # head_dim]): a decode program, one (row, head), then reads a request's keys for its head
     # as one contiguous run instead of 128-byte rows 2.5 KB apart (whisper-large-v3). Off until
-    # measured on a GPU; the torch backend (the CPU) always stores every pool head-major.
+    # measured on a GPU; the torch backend (the CPU) stores its pools head-major anyway (FP8 aside).
     cross_kv_head_major: bool = False
     # Float32 on the CPU: a step of bare argmax rows finds their ids through a bfloat16 copy of
     # the LM head and proves them in float32 (engine/runner/greedy_head.py), instead of reading

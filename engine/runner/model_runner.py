@@ -189,7 +189,8 @@ class ModelRunner:
                                    self.kv_plan.num_self_blocks, self.kv_plan.num_cross_blocks, dtype, device,
                                    fp8=args.kv_cache_config.dtype == "fp8",
                                    head_major=getattr(self.backend, "head_major_pools", False),
-                                   cross_head_major=True if tuning.cross_kv_head_major and self.backend.name == "triton" else None)
+                                   cross_head_major=True if tuning.cross_kv_head_major and self.backend.name == "triton"
+                                   else None)
         self.sampler = Sampler()
         self.greedy_head = GreedyHead(self.model) if device.type == "cpu" and dtype == torch.float32 \
             and tp.size == 1 and tuning.cpu_greedy_head and greedy_head_available() else None
