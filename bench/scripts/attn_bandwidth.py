@@ -2,12 +2,14 @@
 
     python bench/scripts/attn_bandwidth.py                          # whisper-large-v3/turbo, C=64
     python bench/scripts/attn_bandwidth.py --rows 8,64 --kv-dtype fp8 --splits auto,1,2,4
+    python bench/scripts/attn_bandwidth.py --configs default,16:1,32:1,64:2,64:4,128:4
 
 One decode step's cross-attention of one layer: ``rows`` queries (one per request), each over its
 own ``keys`` positions (a Whisper clip: 1,500) of ``heads`` x ``head_dim``, in a pool laid out as
 the engine lays it out (every clip's blocks one run, clips at shuffled places in a pool about
 twice the size the step reads). Each (layout, split count) is timed over ``--iters`` launches
-replayed in a CUDA graph, after a warm-up; the table gives microseconds a call and the K/V read
+replayed in a CUDA graph, after a warm-up (``--configs``: the kernel's keys per tile and warps
+per program, ``launch_config``'s choice by default, for a sweep); the table gives microseconds a call and the K/V read
 rate (bytes of K and V the call must read, scales included, per second). A diagnosis tool for
 ``tuning.cross_kv_head_major``; the engine's figures come from ``enc2dec bench``.
 """
@@ -17,6 +19,7 @@ import argparse
 
 import torch
 
+from enc2dec.kernels import paged_attention as kernel
 from enc2dec.kernels.paged_attention import paged_attention, pick_num_splits
 
 
@@ -73,16 +76,27 @@ def main() -> None:
     ap.add_argument("--tokens-per-block", type=int, default=16)
     ap.add_argument("--kv-dtype", default="bf16,fp8", help="comma-separated: bf16, fp8")
     ap.add_argument("--splits", default="auto", help="comma-separated split counts, or auto (the engine's pick)")
+    ap.add_argument("--configs", default="default",
+                    help="comma-separated BLOCK_N:num_warps of the kernel, or default (launch_config's)")
     ap.add_argument("--iters", type=int, default=50)
     a = ap.parse_args()
     print(f"{torch.cuda.get_device_name()}: cross-attention of one layer, {a.keys} keys x {a.heads} heads x "
           f"{a.head_dim}, blocks of {a.tokens_per_block}")
-    print(f"{'rows':>5} {'kv':>5} {'splits':>7} {'layout':>11} {'us/call':>9} {'GB read':>8} {'TB/s':>6} {'vs token':>9}")
+    print(f"{'rows':>5} {'kv':>5} {'splits':>7} {'tile':>6} {'layout':>11} {'us/call':>9} {'GB read':>8} {'TB/s':>6} "
+          f"{'vs first':>9}")
+    default_config = kernel.launch_config
     for rows in map(int, a.rows.split(",")):
         for kv_dtype in a.kv_dtype.split(","):
             fp8 = kv_dtype == "fp8"
-            for split_arg in a.splits.split(","):
-                base = None
+            base = None                  # the first row of this (rows, kv dtype): the engine's choice
+            for split_arg, config in ((s, c) for s in a.splits.split(",") for c in a.configs.split(",")):
+                if config == "default":
+                    kernel.launch_config = default_config
+                    tile = "auto"
+                else:
+                    block_n, warps = map(int, config.split(":"))
+                    kernel.launch_config = lambda block_d, element_bytes=2, n=block_n, w=warps: (n, w, 2)
+                    tile = config
                 for head_major in (False, True):
                     q, k, v, qsl, lens, tables, scales = _case(rows, a.keys, a.heads, a.head_dim,
                                                                a.tokens_per_block, fp8, head_major, seed=rows)
@@ -95,7 +109,7 @@ def main() -> None:
                     us = _time(call, a.iters)
                     nbytes = 2 * rows * a.keys * a.heads * (a.head_dim * k.element_size() + (2 if fp8 else 0))
                     base = base or us
-                    print(f"{rows:>5} {kv_dtype:>5} {splits:>7} {'head-major' if head_major else 'token-major':>11} "
+                    print(f"{rows:>5} {kv_dtype:>5} {splits:>7} {tile:>6} {'head-major' if head_major else 'token-major':>11} "
                           f"{us:>9.1f} {nbytes / 1e9:>8.3f} {nbytes / us / 1e6:>6.2f} {base / us:>8.2f}x")
 
 
