@@ -217,6 +217,9 @@ class _Run:
             meta.update(device=_device_info(device, None), dtype=str(dtype).replace("torch.", ""),
                         load_format=args.load_format,
                         engine_args={k: v for k, v in dataclasses.asdict(args).items() if k != "tokenizer"})
+            limits = getattr(core, "limits", None)
+            if dataclasses.is_dataclass(limits):   # the scheduler's limits, tuning's auto values resolved
+                meta["engine_limits"] = dataclasses.asdict(limits)
             target = runner.EngineTarget(llm, opts.streaming, opts.beam_width)
             asyncio.run(_bench_target(target, reqs, opts, self.progress, self.add))
         finally:

@@ -111,6 +111,10 @@ def test_whisper_synthetic_audio_and_rtf(tiny_whisper, tmp_path):
         assert lv["input_tokens"] == 0 and lv["audio_s"] == pytest.approx(8.0)
         assert lv["rtf"] == pytest.approx(8.0 / lv["duration_s"])
     assert rep["ratios"][0]["rtf"] is not None
+    # what tuning's auto admission resolved to (0 in engine_args): one clip a decoding step on the CPU
+    assert rep["engine_args"]["tuning"]["encoder_tokens_while_decoding"] == 0
+    limits = rep["engine_limits"]
+    assert limits["encoder_max_num_tokens_while_decoding"] == 1500 and limits["defer_joins_while_decoding"] == 0
 
 
 def test_streaming_dataset_rows_and_missed_threshold(tiny_t5, tmp_path):
