@@ -18,7 +18,7 @@ def _store_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
     num_heads, tokens_per_block,
     stride_kn, stride_kh, stride_vn, stride_vh,
-    stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch, stride_sb, stride_st,
+    stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch, stride_sb, stride_st, stride_sh,
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)   # N x row stride can pass 2**31 (encoder batches)
@@ -35,8 +35,8 @@ def _store_kv_kernel(
     k = tl.load(src_k, mask=mask)
     v = tl.load(src_v, mask=mask)
     if FP8:
-        # scale tensors [num_blocks, tokens_per_block, heads], heads contiguous
-        dst_s = page * stride_sb + in_page * stride_st + offs_h
+        # scale tensors [num_blocks, tokens_per_block, heads], any strides
+        dst_s = page * stride_sb + in_page * stride_st + offs_h * stride_sh
         mask_s = (slot >= 0) & (offs_h < num_heads)
         _store_fp8(k.to(tl.float32), dst_k, k_scale_ptr + dst_s, mask, mask_s)
         _store_fp8(v.to(tl.float32), dst_v, v_scale_ptr + dst_s, mask, mask_s)
@@ -80,13 +80,12 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, kv_scales=None) -> None:
     k_scale, v_scale = kv_scales if fp8 else (k_cache, v_cache)               # unused pointers
     if fp8:
         assert k_scale.shape == v_scale.shape == k_cache.shape[:3] and k_scale.stride() == v_scale.stride()
-        assert k_scale.stride(2) == 1
     _store_kv_kernel[grid](
         k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, num_heads, k_cache.shape[1],
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
+        k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0, k_scale.stride(2) if fp8 else 0,
         HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, FP8=fp8, num_warps=4,
     )
     return None

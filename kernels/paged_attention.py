@@ -12,7 +12,7 @@ partial softmaxes.
 
 Scores are ``scale * q.k + bias[h, q_pos - k_pos]`` in fp32 (exp2 with log2(e) folded
 in); inputs fp32/fp16/bf16, or an FP8 pool (e4m3 with a float16 scale per position and
-head, ``kv_scales``): a key's score and a value's weight are multiplied by its scale, so
+head, ``kv_scales``, any strides): a key's score and a value's weight are multiplied by its scale, so
 the math stays fp32 and the read is half of bf16's. Tokens with no keys (padding past
 ``qsl[S]``, empty sequences) get zeros.
 """
@@ -46,7 +46,7 @@ def _paged_attention_kernel(
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
     stride_on, stride_oh, stride_os,
-    stride_bt, stride_bias_h, stride_sb, stride_st,
+    stride_bt, stride_bias_h, stride_sb, stride_st, stride_sh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     TOKENS_PER_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, FP8: tl.constexpr,
@@ -101,7 +101,7 @@ def _paged_attention_kernel(
         k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=mask_nd, other=0.0)
         s = tl.sum(k.to(tl.float32) * q[None, :], axis=1)                    # [BLOCK_N]
         if FP8:
-            s_off = page * stride_sb + in_page * stride_st + head
+            s_off = page * stride_sb + in_page * stride_st + head * stride_sh
             s *= tl.load(k_scale_ptr + s_off, mask=mask_n, other=0.0).to(tl.float32)
         if HAS_BIAS:
             rel = tl.minimum(tl.maximum(q_pos - offs_n, 0), bias_len - 1)
@@ -233,7 +233,6 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, kv_lens, block_tables,
     k_scale, v_scale = kv_scales if fp8 else (q, q)                          # q: dummy pointers
     if fp8:
         assert k_scale.shape == v_scale.shape == k_cache.shape[:3] and k_scale.stride() == v_scale.stride()
-        assert k_scale.stride(2) == 1
     if num_splits > 1:
         part = torch.empty((num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32,
                            device=q.device)                                 # [N, H, splits, D]
@@ -255,7 +254,7 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, kv_lens, block_tables,
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         dst.stride(0), dst.stride(1), stride_os,
         block_tables.stride(0), bias.stride(0) if has_bias else 0,
-        k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
+        k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0, k_scale.stride(2) if fp8 else 0,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, TOKENS_PER_BLOCK=tokens_per_block,
         NUM_SPLITS=num_splits, CAUSAL=causal, HAS_BIAS=has_bias, FP8=fp8, num_warps=num_warps,
         num_stages=num_stages,

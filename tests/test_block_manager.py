@@ -203,8 +203,8 @@ def test_cpu_pools_take_memory_only_for_the_blocks_written():
 
 def test_pool_layouts():
     """Head-major pools keep the usual shape with heads outermost in memory; the cross pools'
-    layout can be chosen alone (the triton backend's tuning.cross_kv_head_major), FP8 included,
-    while FP8 scale pools stay token-major."""
+    layout can be chosen alone (the triton backend's tuning.cross_kv_head_major), FP8 values and
+    their scales included."""
     import torch
 
     from enc2dec.engine.models.attention import KVCache
@@ -220,8 +220,9 @@ def test_pool_layouts():
         cross = kv.cross_kv[0]
         assert cross.k.shape == cross.v.shape == (12, 16, 4, 8) and heads_outermost(cross.k) and heads_outermost(cross.v)
         assert fp8 == (cross.k.dtype == torch.float8_e4m3fn)
-        if fp8:
-            assert cross.k_scale.is_contiguous() and cross.k_scale.shape == (12, 16, 4)
+        if fp8:         # the scales follow their values
+            assert cross.k_scale.shape == (12, 16, 4) and cross.k_scale.stride(2) == 12 * 16
+            assert kv.self_kv[0].k_scale.is_contiguous()
     # FP8 pools on the torch backend (head_major=True) stay token-major, as that backend reads them
     fp8_cpu = KVCache.allocate(1, 4, 8, 16, 10, 12, torch.bfloat16, "cpu", fp8=True, head_major=True)
     assert fp8_cpu.self_kv[0].k.is_contiguous() and fp8_cpu.cross_kv[0].k.is_contiguous()

@@ -113,8 +113,10 @@ def test_paged_attention_whisper_length_cross(splits):
 
 
 def _head_major(cache: torch.Tensor) -> torch.Tensor:
-    """The same values stored [heads, blocks, positions, head_dim], seen in the usual shape
-    (``KVCache.allocate``'s head-major pools)."""
+    """The same values stored [heads, blocks, positions(, head_dim)], seen in the usual shape
+    (``KVCache.allocate``'s head-major pools; an FP8 pool's scales too)."""
+    if cache.dim() == 3:
+        return cache.permute(2, 0, 1).contiguous().permute(1, 2, 0)
     return cache.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
 
 
@@ -130,16 +132,36 @@ def test_paged_attention_reads_head_major_pools_as_token_major_ones(causal, spli
     assert torch.equal(got, expected)
 
 
-def test_store_kv_writes_head_major_pools():
+@pytest.mark.parametrize("splits", [1, 4])
+def test_paged_attention_reads_head_major_fp8_pools_and_scales(splits):
+    """FP8 pools with their scales head-major: the token-major pools' result bit for bit."""
+    case = make_paged_case([1500, 300], [1, 2], 3, 64, seed=14)
+    (k8, ks), (v8, vs) = (ref.quantize_fp8_ref(case[name]) for name in ("k_cache", "v_cache"))
+    args = (case["q"], case["query_start_loc"], case["kv_lens"], case["block_tables"])
+
+    def run(k, v, scales):
+        return paged_attention(args[0], k, v, *args[1:], 0.125, causal=False, num_splits=splits, kv_scales=scales)
+    want = run(k8, v8, (ks, vs))
+    got = run(_head_major(k8), _head_major(v8), (_head_major(ks), _head_major(vs)))
+    assert torch.isfinite(want).all() and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_store_kv_writes_head_major_pools(fp8):
     g = torch.Generator().manual_seed(8)
     k, v = (torch.randn(20, 3, 64, generator=g).to(DEVICE) for _ in range(2))
     slots = torch.randperm(4 * 16, generator=g)[:20].to(DEVICE)
-    token_major = [torch.zeros(4, 16, 3, 64, device=DEVICE) for _ in range(2)]
-    head_major = [_head_major(torch.zeros(4, 16, 3, 64, device=DEVICE)) for _ in range(2)]
-    store_kv(k, v, *token_major, slots)
-    store_kv(k, v, *head_major, slots)
+    dtype = torch.float8_e4m3fn if fp8 else torch.float32
+
+    def pools(major):
+        make = _head_major if major else (lambda t: t)
+        values = [make(torch.zeros(4, 16, 3, 64, device=DEVICE).to(dtype)) for _ in range(2)]
+        scales = [make(torch.zeros(4, 16, 3, device=DEVICE, dtype=ref.FP8_SCALE_DTYPE)) for _ in range(2)]
+        store_kv(k, v, *values, slots, kv_scales=tuple(scales) if fp8 else None)
+        return values + (scales if fp8 else [])
+    token_major, head_major = pools(False), pools(True)
     for a, b in zip(head_major, token_major):
-        assert b.abs().sum() > 0 and torch.equal(a, b)
+        assert b.float().abs().sum() > 0 and torch.equal(a.float(), b.float())
 
 
 @pytest.mark.parametrize("splits", [1, 2])

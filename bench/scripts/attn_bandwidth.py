@@ -39,9 +39,11 @@ def _case(rows: int, keys: int, heads: int, head_dim: int, tpb: int, fp8: bool, 
     dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
     k, v = (_pool(num_blocks, tpb, heads, head_dim, dtype, head_major, gen) for _ in range(2))
     scales = None
-    if fp8:
-        scales = tuple(torch.rand((num_blocks, tpb, heads), generator=gen, device="cuda").to(torch.float16) * 0.01
-                       for _ in range(2))
+    if fp8:     # the scales laid out as their values are (KVCache.allocate)
+        shape = (heads, num_blocks, tpb) if head_major else (num_blocks, tpb, heads)
+        scales = tuple(torch.rand(shape, generator=gen, device="cuda").to(torch.float16) * 0.01 for _ in range(2))
+        if head_major:
+            scales = tuple(s.permute(1, 2, 0) for s in scales)
     q = torch.randn((rows, heads, head_dim), generator=gen, device="cuda").to(torch.bfloat16)
     qsl = torch.arange(rows + 1, dtype=torch.int32, device="cuda")
     lens = torch.full((rows,), keys, dtype=torch.int32, device="cuda")

@@ -130,8 +130,8 @@ class KVCache:
         positions at 6 rows took 17.5 ms a step against 13.1 head-major, on 2 cores).
         ``cross_head_major`` (default: ``head_major``) sets the cross pools' layout alone: the
         Triton kernels take any strides, but the fused GEMV's self K/V store needs token-major
-        self pools (``tuning.cross_kv_head_major``). FP8 pools are head-major only when
-        ``cross_head_major`` says so; their scale pools are always token-major."""
+        self pools (``tuning.cross_kv_head_major``). FP8 pools (their scale pools with them) are
+        head-major only when ``cross_head_major`` says so."""
         from enc2dec.kernels.reference import FP8_SCALE_DTYPE
 
         def pool(n, pool_dtype, major):
@@ -143,7 +143,10 @@ class KVCache:
             if not fp8:
                 return LayerKV(pool(n, dtype, major), pool(n, dtype, major))
             k, v = (pool(n, torch.float8_e4m3fn, major) for _ in range(2))
-            k_scale, v_scale = (pool_zeros((n, tokens_per_block, num_heads), FP8_SCALE_DTYPE, device)
+            # Each scale pool follows its values: a head-major decode program reads its head's
+            # scales as one run too, not one 2-byte value per 32-byte sector.
+            k_scale, v_scale = (pool_zeros((num_heads, n, tokens_per_block), FP8_SCALE_DTYPE, device).permute(1, 2, 0)
+                                if major else pool_zeros((n, tokens_per_block, num_heads), FP8_SCALE_DTYPE, device)
                                 for _ in range(2))
             return LayerKV(k, v, k_scale, v_scale)
 
