@@ -195,14 +195,12 @@ class EngineCore:
         logger.info("loaded %s (%s, %s, attention=%s) in %.1f s; KV (%s): %s", args.model, self.device,
                     str(self.dtype).replace("torch.", ""), attn, time.perf_counter() - t0, kv_dtype,
                     plan.describe(max_input_len, args.max_seq_len or 256))
-        if self.runner.graphs is not None:
-            self.limits = dataclasses.replace(self.limits, feed_prompt_one_token_per_step=True)
         cfg = src.hf_config
         tokens, join = encoder_admission(
             args.tuning, self.is_whisper, getattr(cfg, "encoder_layers", 0), getattr(cfg, "decoder_layers", 0),
             max_input_len, getattr(self.runner, "encodes_beside", False))    # a tensor-parallel driver has none
-        self.limits = dataclasses.replace(self.limits, encoder_max_num_tokens_while_decoding=tokens,
-                                          defer_joins_while_decoding=join)
+        self.limits = dataclasses.replace(self.limits, feed_prompt_one_token_per_step=self.runner.graphs is not None,
+                                          encoder_max_num_tokens_while_decoding=tokens, defer_joins_while_decoding=join)
         if tokens or join:      # what tuning's auto values (0) resolved to for this model and device
             beside = f", encoded beside the decoder, joining {join} step{'s' * (join > 1)} later" if join else ""
             logger.info("admission while decoding: %s encoder positions a step%s", tokens or "unbounded", beside)

@@ -115,9 +115,7 @@ def test_paged_attention_whisper_length_cross(splits):
 def _head_major(cache: torch.Tensor) -> torch.Tensor:
     """The same values stored [heads, blocks, positions(, head_dim)], seen in the usual shape
     (``KVCache.allocate``'s head-major pools; an FP8 pool's scales too)."""
-    if cache.dim() == 3:
-        return cache.permute(2, 0, 1).contiguous().permute(1, 2, 0)
-    return cache.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
+    return cache.movedim(2, 0).contiguous().movedim(0, 2)
 
 
 @pytest.mark.parametrize("causal,splits", [(False, 1), (False, 4), (True, 2)])

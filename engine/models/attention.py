@@ -134,21 +134,19 @@ class KVCache:
         head-major only when ``cross_head_major`` says so."""
         from enc2dec.kernels.reference import FP8_SCALE_DTYPE
 
-        def pool(n, pool_dtype, major):
+        def pool(n, pool_dtype, major, *tail):
+            """[n, tokens_per_block, num_heads, *tail], stored heads first when ``major``."""
             if major:
-                return pool_zeros((num_heads, n, tokens_per_block, head_dim), pool_dtype, device).permute(1, 2, 0, 3)
-            return pool_zeros((n, tokens_per_block, num_heads, head_dim), pool_dtype, device)
+                return pool_zeros((num_heads, n, tokens_per_block, *tail), pool_dtype, device).movedim(0, 2)
+            return pool_zeros((n, tokens_per_block, num_heads, *tail), pool_dtype, device)
 
         def layer(n, major):
             if not fp8:
-                return LayerKV(pool(n, dtype, major), pool(n, dtype, major))
-            k, v = (pool(n, torch.float8_e4m3fn, major) for _ in range(2))
+                return LayerKV(pool(n, dtype, major, head_dim), pool(n, dtype, major, head_dim))
             # Each scale pool follows its values: a head-major decode program reads its head's
             # scales as one run too, not one 2-byte value per 32-byte sector.
-            k_scale, v_scale = (pool_zeros((num_heads, n, tokens_per_block), FP8_SCALE_DTYPE, device).permute(1, 2, 0)
-                                if major else pool_zeros((n, tokens_per_block, num_heads), FP8_SCALE_DTYPE, device)
-                                for _ in range(2))
-            return LayerKV(k, v, k_scale, v_scale)
+            return LayerKV(*(pool(n, torch.float8_e4m3fn, major, head_dim) for _ in range(2)),
+                           *(pool(n, FP8_SCALE_DTYPE, major) for _ in range(2)))
 
         head_major = head_major and not fp8          # the torch backend reads FP8 pools token-major
         cross_major = head_major if cross_head_major is None else cross_head_major
