@@ -140,6 +140,16 @@ PY
   kill -TERM "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
 }
 
+# The fast section's two runs, each also a section of its own (turbo, t5base).
+turbo_hfc() {
+    run turbo-hfc ${FAST_LIMIT_S:-$((LIMIT * 2))} --model $WHT $COMMON $AUD --concurrency $C --num-requests $NUM \
+        --baseline $FASTBASE
+}
+t5base_hfc() {
+    run t5base-hfc ${FAST_LIMIT_S:-$((LIMIT * 2))} --model $T5B ${COMMON/--max-batch-size $C/--max-batch-size $CB} \
+        $TXT --concurrency $CB --num-requests $NUMB --baseline $FASTBASE
+}
+
 for section in $SECTIONS; do
   echo "== $section ($(date -u +%H:%M:%S), $(left) s left)"
   case $section in
@@ -180,9 +190,7 @@ for section in $SECTIONS; do
       fi
     done
     RUN_ENV= ;;
-  turbo)
-    run turbo-hfc ${FAST_LIMIT_S:-$((LIMIT * 2))} --model $WHT $COMMON $AUD --concurrency $C --num-requests $NUM \
-        --baseline $FASTBASE ;;
+  turbo) turbo_hfc ;;
   sampled)
     run t5-greedy $LIMIT $T5RUN
     run t5-sampled $LIMIT $T5RUN --temperature 0.8 --top-p 0.95
@@ -217,14 +225,8 @@ for section in $SECTIONS; do
     run wh-budget $LIMIT $WHRUN
     RUN_ENV=ENC2DEC_ENCODER_TOKENS_WHILE_DECODING=8192 run bart-unbounded $LIMIT $BARTRUN
     run bart-budget $LIMIT $BARTRUN ;;
-  t5base)
-    run t5base-hfc ${FAST_LIMIT_S:-$((LIMIT * 2))} --model $T5B ${COMMON/--max-batch-size $C/--max-batch-size $CB} \
-        $TXT --concurrency $CB --num-requests $NUMB --baseline $FASTBASE ;;
-  fast)
-    run turbo-hfc ${FAST_LIMIT_S:-$((LIMIT * 2))} --model $WHT $COMMON $AUD --concurrency $C --num-requests $NUM \
-        --baseline $FASTBASE
-    run t5base-hfc ${FAST_LIMIT_S:-$((LIMIT * 2))} --model $T5B ${COMMON/--max-batch-size $C/--max-batch-size $CB} \
-        $TXT --concurrency $CB --num-requests $NUMB --baseline $FASTBASE ;;
+  t5base) t5base_hfc ;;
+  fast) turbo_hfc; t5base_hfc ;;
   *) echo "unknown section $section" ;;
   esac
 done
