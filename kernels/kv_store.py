@@ -22,7 +22,9 @@ def _store_kv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)   # N x row stride can pass 2**31 (encoder batches)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)            # [BLOCK_H]
+    # int64: a head-major pool's head stride is a whole layer's pool, so head x stride can pass
+    # 2**31 elements (pools over 4 GiB)
+    offs_h = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)  # [BLOCK_H]
     offs_d = tl.arange(0, BLOCK_D)                                         # [BLOCK_D]
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     mask = (slot >= 0) & (offs_h[:, None] < num_heads) & (offs_d[None, :] < HEAD_DIM)

@@ -91,17 +91,20 @@ def _paged_attention_kernel(
     l_i = tl.full([], 0.0, tl.float32)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    # A head-major pool's head stride is a whole layer's pool: head x stride passes 2**31
+    # elements in pools over 4 GiB (whisper-large-v3-turbo's 4 layers share the cross budget).
+    head_kv = head.to(tl.int64)
     for n0 in range(k_begin, k_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)                                  # [BLOCK_N]
         mask_n = offs_n < k_end
         page = tl.load(table_row + offs_n // TOKENS_PER_BLOCK, mask=mask_n, other=0).to(tl.int64)
         in_page = (offs_n % TOKENS_PER_BLOCK).to(tl.int64)
         mask_nd = mask_n[:, None] & mask_d[None, :]
-        k_off = page * stride_kb + in_page * stride_kt + head * stride_kh    # [BLOCK_N]
+        k_off = page * stride_kb + in_page * stride_kt + head_kv * stride_kh    # [BLOCK_N]
         k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=mask_nd, other=0.0)
         s = tl.sum(k.to(tl.float32) * q[None, :], axis=1)                    # [BLOCK_N]
         if FP8:
-            s_off = page * stride_sb + in_page * stride_st + head * stride_sh
+            s_off = page * stride_sb + in_page * stride_st + head_kv * stride_sh
             s *= tl.load(k_scale_ptr + s_off, mask=mask_n, other=0.0).to(tl.float32)
         if HAS_BIAS:
             rel = tl.minimum(tl.maximum(q_pos - offs_n, 0), bias_len - 1)
@@ -112,7 +115,7 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new)                                               # [BLOCK_N]
         l_i = l_i * alpha + tl.sum(p, axis=0)
-        v_off = page * stride_vb + in_page * stride_vt + head * stride_vh
+        v_off = page * stride_vb + in_page * stride_vt + head_kv * stride_vh
         v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=mask_nd, other=0.0)
         if FP8:
             pv = p * tl.load(v_scale_ptr + s_off, mask=mask_n, other=0.0).to(tl.float32)

@@ -307,3 +307,46 @@ def test_fp8_pool_store_and_attention_cuda(causal):
         queue_busy_work(5)
         store_kv(flat(case["k_cache"]), flat(case["v_cache"]), k8, v8, slots, kv_scales=tuple(scales))
         paged_attention(*args, 0.125, causal=causal, bias_table=bias, kv_scales=tuple(scales))
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_head_major_pool_past_2_31_elements_cuda(fp8):
+    # A head-major pool's head stride is a whole layer's pool. whisper-large-v3-turbo's 4 layers
+    # share the cross budget, so one layer's pool passes 2**31 elements and the last heads' rows
+    # need 64-bit offsets (32-bit ones wrapped: an illegal address in the engine).
+    from enc2dec.kernels.paged_attention import paged_attention
+
+    heads, head_dim, tpb = 20, 64, 16
+    num_blocks = 2 ** 31 // (heads * tpb * head_dim) + 2
+    dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    pools = [torch.zeros((heads, num_blocks, tpb, head_dim), dtype=dtype, device="cuda").permute(1, 2, 0, 3)
+             for _ in range(2)]
+    scales = tuple(torch.zeros((heads, num_blocks, tpb), dtype=ref.FP8_SCALE_DTYPE, device="cuda").permute(1, 2, 0)
+                   for _ in range(2)) if fp8 else None
+    n = 2 * tpb                                                    # one request in the pool's last two blocks
+    kv = torch.randn(n, 2, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    store_kv(kv[:, 0], kv[:, 1], *pools, torch.arange((num_blocks - 2) * tpb, num_blocks * tpb, device="cuda"),
+             kv_scales=scales)
+    # what a small token-major pool holds after the reference store of the same rows
+    small = [torch.zeros((2, tpb, heads, head_dim), dtype=dtype, device="cuda") for _ in range(2)]
+    small_scales = tuple(torch.zeros((2, tpb, heads), dtype=ref.FP8_SCALE_DTYPE, device="cuda")
+                         for _ in range(2)) if fp8 else None
+    ref.store_kv_ref(kv[:, 0], kv[:, 1], *small, torch.arange(n, device="cuda"), kv_scales=small_scales)
+    for big, want in zip(pools, small):
+        got = big[-2:].contiguous()
+        if fp8:
+            assert int((got.view(torch.uint8).int() - want.view(torch.uint8).int()).abs().max()) <= 1
+        else:
+            assert torch.equal(got, want)
+    if fp8:
+        assert all(torch.equal(s[-2:].contiguous(), w) for s, w in zip(scales, small_scales))
+    q = torch.randn(1, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    qsl = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
+    lens = torch.tensor([n], dtype=torch.int32, device="cuda")
+    tables = torch.tensor([[num_blocks - 2, num_blocks - 1]], dtype=torch.int32, device="cuda")
+    got = paged_attention(q, *pools, qsl, lens, tables, 0.125, causal=False, kv_scales=scales)
+    small = [big[-2:].contiguous() for big in pools]               # the big pool's own rows, token-major
+    small_scales = tuple(s[-2:].contiguous() for s in scales) if fp8 else None
+    want = ref.paged_attention_ref(q, *small, qsl, lens, torch.tensor([[0, 1]], dtype=torch.int32, device="cuda"),
+                                   0.125, causal=False, kv_scales=small_scales)
+    assert_close(got, want, torch.bfloat16)
