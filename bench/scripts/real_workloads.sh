@@ -26,8 +26,10 @@
 #            same runs with bf16 KV (wh-plain, t5-greedy: run those sections in the same call)
 #   desync-ab flan-t5-large and whisper-large-v3 with lengths spread, the encoder beside the decoder
 #            (ENC2DEC_ENCODER_BESIDE_DECODER=1, experimental) against the encoder inside the step
-#   turbo-ab, wh-ab  turbo (whisper-large-v3) once per AB entry (NAME:VAR=v,VAR=v: tuning variables
-#            for that run), each against turbo-hfc's (wh-plain's) enc2dec figure of the same call
+#   turbo-ab, wh-ab  turbo (whisper-large-v3) once per AB entry (NAME:VAR=v,--flag=v: tuning variables
+#            and extra bench flags for that run), each against turbo-hfc's (wh-plain's) enc2dec figure of the same call;
+#            fp8-ab: whisper-large-v3 with --kv-cache-dtype fp8 the same way, against fp8's wh-fp8;
+#            t5-ab: flan-t5-large greedy the same way, against greedy's t5-greedy
 #   wh-rest  whisper-large-v3 --detect-language and 63 + 1 timestamped (the whisper section without plain and --timestamps, for a call that has run those)
 #   itl      the encoder budget of decoding steps (tuning.encoder_tokens_while_decoding): whisper-large-v3
 #            C=64 and bart-large-cnn 384/128 C=128, each with the default budget and with the old
@@ -179,15 +181,20 @@ for section in $SECTIONS; do
       run turbo-join$k-enc$b $LIMIT --model $WHT $COMMON $AUD --concurrency $C --num-requests $NUM
     done
     RUN_ENV= ;;
-  turbo-ab|wh-ab)   # turbo (wh-ab: whisper-large-v3) under tuning variables, against turbo-hfc / wh-plain
-    # AB: NAME:VAR=v,VAR=v entries, one run each
+  turbo-ab|wh-ab|fp8-ab|t5-ab)   # turbo (wh-ab: whisper-large-v3; fp8-ab: the same with FP8 KV; t5-ab:
+    # flan-t5-large greedy) under tuning variables, against turbo-hfc / wh-plain / wh-fp8 / t5-greedy. AB: NAME:ITEM,ITEM entries, one run each;
+    # an item is VAR=v (the run's environment) or --flag=v (one more bench flag, e.g. --kv-cache-dtype=fp8)
     for spec in ${AB:-j3:ENC2DEC_ENCODER_JOIN_STEPS=3}; do
-      envs=${spec#*:}; RUN_ENV="${envs//,/ }"
-      if [ $section = turbo-ab ]; then
-        run turbo-ab-${spec%%:*} $LIMIT --model $WHT $COMMON $AUD --concurrency $C --num-requests $NUM
-      else
-        run wh-ab-${spec%%:*} $LIMIT $WHRUN
-      fi
+      RUN_ENV= ab_args=()
+      for item in $(tr , ' ' <<<"${spec#*:}"); do
+        case $item in --*) ab_args+=("${item%%=*}" "${item#*=}") ;; *) RUN_ENV="$RUN_ENV $item" ;; esac
+      done
+      case $section in
+        turbo-ab) run turbo-ab-${spec%%:*} $LIMIT --model $WHT $COMMON $AUD --concurrency $C --num-requests $NUM "${ab_args[@]}" ;;
+        wh-ab) run wh-ab-${spec%%:*} $LIMIT $WHRUN "${ab_args[@]}" ;;
+        fp8-ab) run wh-fp8-ab-${spec%%:*} $LIMIT $WHRUN --kv-cache-dtype fp8 "${ab_args[@]}" ;;
+        t5-ab) run t5-ab-${spec%%:*} $LIMIT $T5RUN "${ab_args[@]}" ;;
+      esac
     done
     RUN_ENV= ;;
   turbo) turbo_hfc ;;
@@ -216,6 +223,7 @@ for section in $SECTIONS; do
     RUN_ENV=ENC2DEC_ENCODER_BESIDE_DECODER=0 run t5-desync-instep $LIMIT $T5RUN --output-dist uniform
     RUN_ENV=ENC2DEC_ENCODER_BESIDE_DECODER=1 run wh-desync-beside $LIMIT $WHRUN --output-dist uniform
     RUN_ENV=ENC2DEC_ENCODER_BESIDE_DECODER=0 run wh-desync-instep $LIMIT $WHRUN --output-dist uniform ;;
+  wh-fp8) run wh-fp8 $LIMIT $WHRUN --kv-cache-dtype fp8 ;;
   fp8)
     run wh-fp8 $LIMIT $WHRUN --kv-cache-dtype fp8
     run t5-fp8 $LIMIT $T5RUN --kv-cache-dtype fp8 ;;
@@ -307,6 +315,10 @@ rows = [
       for p in sorted(work.glob("turbo-ab-*.json"))],
     *[(f"whisper {p.stem[6:]} / plain", ratio(level(p.stem), level("wh-plain")), 1.0)
       for p in sorted(work.glob("wh-ab-*.json"))],
+    *[(f"whisper fp8 {p.stem[10:]} / fp8", ratio(level(p.stem), level("wh-fp8")), 1.0)
+      for p in sorted(work.glob("wh-fp8-ab-*.json"))],
+    *[(f"t5 {p.stem[6:]} / greedy", ratio(level(p.stem), level("t5-greedy")), 1.0)
+      for p in sorted(work.glob("t5-ab-*.json"))],
     ("t5 lengths spread: beside / in step", ratio(level("t5-desync-beside"), level("t5-desync-instep")), 1.0),
     ("whisper lengths spread: beside / in step", ratio(level("wh-desync-beside"), level("wh-desync-instep")), 1.0),
     ("whisper fp8 KV / bf16 KV", ratio(level("wh-fp8"), level("wh-plain")), 12000 / 9000),
