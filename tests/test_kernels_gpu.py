@@ -312,12 +312,12 @@ def test_fp8_pool_store_and_attention_cuda(causal):
 @pytest.mark.parametrize("fp8", [False, True])
 def test_head_major_pool_past_2_31_elements_cuda(fp8):
     # A head-major pool's head stride is a whole layer's pool. whisper-large-v3-turbo's 4 layers
-    # share the cross budget, so one layer's pool passes 2**31 elements and the last heads' rows
-    # need 64-bit offsets (32-bit ones wrapped: an illegal address in the engine).
+    # share the cross budget, so one layer's pool is this large and the last head's offset
+    # (head x head stride) passes 2**31 elements (32-bit offsets wrapped: an illegal address).
     from enc2dec.kernels.paged_attention import paged_attention
 
     heads, head_dim, tpb = 20, 64, 16
-    num_blocks = 2 ** 31 // (heads * tpb * head_dim) + 2
+    num_blocks = 2 ** 31 // ((heads - 1) * tpb * head_dim) + 2       # (heads - 1) x stride > 2**31
     dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
     pools = [torch.zeros((heads, num_blocks, tpb, head_dim), dtype=dtype, device="cuda").permute(1, 2, 0, 3)
              for _ in range(2)]
