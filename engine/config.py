@@ -181,9 +181,10 @@ class TuningConfig:
     encoder_join_steps: int = 0
     # The triton backend's cross K/V pools stored head-major ([heads, blocks, positions,
     # head_dim]): a decode program, one (row, head), then reads a request's keys for its head
-    # as one contiguous run instead of 128-byte rows 2.5 KB apart (whisper-large-v3). Off until
-    # measured on a GPU; the torch backend (the CPU) stores its pools head-major anyway (FP8 aside).
-    cross_kv_head_major: bool = False
+    # as one contiguous run instead of 128-byte rows 2.5 KB apart (whisper-large-v3: +2.7% with
+    # bf16 KV, +7% with FP8, docs/benchmarks.md, session 28). The torch backend (the CPU) stores
+    # its pools head-major anyway (FP8 aside).
+    cross_kv_head_major: bool = True
     # Float32 on the CPU: a step of bare argmax rows finds their ids through a bfloat16 copy of
     # the LM head and proves them in float32 (engine/runner/greedy_head.py), instead of reading
     # the float32 head whole.
