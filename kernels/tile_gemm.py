@@ -1,0 +1,186 @@
+"""``y = rms_norm(x + residual) @ W.T`` for a decode step of 16-256 rows, on tensor cores, with
+the norm before it and the activation or K/V store after it in the same launch.
+
+At C=64 a flan-t5-large decode step runs about 400 kernels (docs/benchmarks.md, Run N), and per
+decoder layer five of them are only there because the library GEMM cannot take a prologue or
+an epilogue: three add+RMSNorm kernels in front of the q|k|v, cross-q and gate|up projections,
+the K/V store after q|k|v and the gated activation after gate|up. At these sizes each is a few
+microseconds of launch and tail on a step of ~2 ms (issue 19: "norm prologues and activation
+epilogues for multi-row GEMMs"). The one-row GEMV (``skinny_gemm``) fuses the same things
+without tensor cores; it is far slower than cuBLAS from 8 rows up.
+
+The RMSNorm is folded rather than computed first: ``rms(h) * g @ W.T`` is
+``rstd[m] * ((h * g) @ W.T)[m]`` with ``rstd[m]`` from the same ``h`` tiles the K loop already
+loads, so no program reads its rows twice. The product therefore sees ``h * g`` rounded once to
+the activation dtype, where the separate kernels round ``h * rstd`` and then its product by
+``g``: equal to float32 rounding in float32, within bf16 rounding in bf16 (the tests' bounds),
+not bit for bit. LayerNorm is not folded (its mean term would subtract two large dot products
+in bf16); a LayerNorm ``Prologue`` is computed first by the reference.
+
+``engine/runner/fast_linear.py`` routes the decoder layers' fused calls of 2-256 rows here
+under ``tuning.tile_gemm`` (off until timed on a GPU: ``bench/scripts/tile_gemm_bench.py``
+against the separate kernels + cuBLAS at flan-t5-large's shapes, then ``enc2dec bench``).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import can_use_triton, interpreting, lazy_jit
+from .reference import skinny_linear_ref, store_kv_ref
+from .skinny_gemm import ACTIVATIONS, Prologue, activation_ref
+
+tl = None  # triton.language, bound by lazy_jit at the first launch (annotations stay strings)
+
+MIN_ROWS, MAX_ROWS = 1, 256
+
+
+@lazy_jit
+def _tile_gemm_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, res_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    M, N, K, stride_xm, stride_wn, stride_om, stride_rm, stride_rom, eps, kv_width,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    RMS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr,
+    STORE_KV: tl.constexpr, F32_DOT: tl.constexpr,
+):
+    # RMS: x is h (+ residual with HAS_RES; the N-block 0 programs write h to res_out), the
+    # product is rstd * ((h * g) @ W.T). ACT: 0 none, 1 gelu (erf), 2 gelu (tanh), 3 relu;
+    # GATED: weight rows [N, 2N) are the up half. STORE_KV: out is q|k|v, kv_width each; k and v
+    # also go to the contiguous [blocks, tokens_per_block, heads, head_dim] caches at each row's
+    # slot (< 0: nowhere). F32_DOT: the products in float32 without TF32 (float32 models, and
+    # the interpreter, whose dot reads bfloat16 operands as raw bits).
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                       # [BM]
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                       # [BN]
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    rows = offs_m.to(tl.int64)
+    cols = offs_n.to(tl.int64)
+    act_dtype = out_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)                                # [BK]
+        mask_k = offs_k < K
+        mk = mask_m[:, None] & mask_k[None, :]
+        a = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=mk, other=0.0)
+        if RMS:
+            h = a.to(tl.float32)
+            if HAS_RES:
+                r = tl.load(res_ptr + rows[:, None] * stride_rm + offs_k[None, :], mask=mk, other=0.0)
+                hr = (h + r.to(tl.float32)).to(act_dtype)
+                tl.store(res_out_ptr + rows[:, None] * stride_rom + offs_k[None, :], hr, mask=mk & (pid_n == 0))
+                h = hr.to(tl.float32)
+            ss += tl.sum(h * h, axis=1)
+            g = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+            a = (h * g[None, :]).to(act_dtype)
+        mw = mask_k[:, None] & mask_n[None, :]
+        w_offs = cols[None, :] * stride_wn + offs_k[:, None]                # [BK, BN]: W.T's tile
+        w = tl.load(w_ptr + w_offs, mask=mw, other=0.0)
+        if F32_DOT:
+            a = a.to(tl.float32)
+            acc += tl.dot(a, w.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(a, w)
+        if GATED:
+            w_up = tl.load(w_ptr + N.to(tl.int64) * stride_wn + w_offs, mask=mw, other=0.0)
+            if F32_DOT:
+                acc_up += tl.dot(a, w_up.to(tl.float32), input_precision="ieee")
+            else:
+                acc_up += tl.dot(a, w_up)
+    if RMS:
+        rstd = tl.rsqrt(ss / K + eps)
+        acc = acc * rstd[:, None]
+        if GATED:
+            acc_up = acc_up * rstd[:, None]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(b_ptr + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    if ACT != 0:                      # on the rounded product, as the separate activation kernel reads it
+        y = acc.to(act_dtype).to(tl.float32)
+        if ACT == 1:
+            y = 0.5 * y * (1.0 + tl.erf(y * 0.7071067811865476))
+        elif ACT == 2:
+            u = 0.7978845608028654 * (y + 0.044715 * y * y * y)
+            e = tl.exp(-2.0 * tl.abs(u))
+            tanh_abs = (1.0 - e) / (1.0 + e)
+            y = 0.5 * y * (1.0 + tl.where(u >= 0, tanh_abs, -tanh_abs))
+        else:
+            y = tl.maximum(y, 0.0)
+        if GATED:
+            y = y * acc_up.to(act_dtype).to(tl.float32)
+        acc = y
+    out = acc.to(act_dtype)
+    mo = mask_m[:, None] & mask_n[None, :]
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], out, mask=mo)
+    if STORE_KV:
+        slot = tl.load(slot_ptr + offs_m, mask=mask_m, other=-1).to(tl.int64)             # [BM]
+        dst = slot[:, None] * kv_width + (cols % kv_width)[None, :]
+        live = mo & (slot >= 0)[:, None]
+        is_k = (offs_n >= kv_width) & (offs_n < 2 * kv_width)
+        tl.store(k_cache_ptr + dst, out.to(k_cache_ptr.dtype.element_ty), mask=live & is_k[None, :])
+        tl.store(v_cache_ptr + dst, out.to(v_cache_ptr.dtype.element_ty), mask=live & (offs_n >= 2 * kv_width)[None, :])
+
+
+def launch_config(rows: int, n: int, k: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): a first guess for weight-streaming
+    shapes (every weight tile read once per row block; narrow N blocks so that even a
+    1,024-wide output keeps most SMs reading). To be replaced by the sweep of
+    bench/scripts/tile_gemm_bench.py on the GPU."""
+    block_m = min(128, max(16, 1 << (rows - 1).bit_length()))
+    block_n = 32 if n <= 4096 else 64
+    return block_m, block_n, 128, 4, 3
+
+
+def tile_linear(x: torch.Tensor | Prologue, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                act: str | None = None, gated: bool = False, kv_store: tuple | None = None,
+                config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for ``x [..., K]`` with at most ``MAX_ROWS`` rows, the
+    arguments of ``skinny_gemm.skinny_linear`` (a ``Prologue`` input, ``act``, ``gated``,
+    ``kv_store``). An RMSNorm ``Prologue`` is folded into the product (module docstring); a
+    LayerNorm one, more rows, or no Triton fall back to the references. ``config``:
+    ``launch_config``'s tuple, for the tuning script."""
+    pro = x if isinstance(x, Prologue) else None
+    src = pro.x if pro is not None else x
+    rows = src.numel() // src.shape[-1] if src.shape[-1] else 0
+    foldable = pro is None or pro.norm == "rms"
+    if not (MIN_ROWS <= rows <= MAX_ROWS) or not foldable or not can_use_triton(src, weight) \
+            or weight.stride(-1) != 1:
+        y = activation_ref(skinny_linear_ref(pro.materialize() if pro is not None else x, weight, bias), act, gated)
+        if kv_store is not None:
+            q, k, v = y.reshape(-1, 3, y.shape[-1] // 3).unbind(1)
+            k_cache, v_cache, slots = kv_store
+            store_kv_ref(k.reshape(-1, *k_cache.shape[2:]), v.reshape(-1, *v_cache.shape[2:]), k_cache, v_cache, slots)
+        return y
+    n, k = weight.shape
+    if gated:
+        assert n % 2 == 0, f"a gated product needs an even number of weight rows, got {n}"
+        n //= 2
+    x2 = src.reshape(rows, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    res = res_out = x2
+    if pro is not None and pro.residual is not None:
+        res = pro.residual.reshape(rows, k).contiguous()
+        res_out = pro.res_out.view(rows, k)
+    out = torch.empty((rows, n), dtype=src.dtype, device=src.device)
+    block_m, block_n, block_k, num_warps, num_stages = config or launch_config(rows, n, k)
+    grid = (-(-n // block_n), -(-rows // block_m))
+    k_cache = v_cache = slots = weight
+    kv_width = 0
+    if kv_store is not None:
+        k_cache, v_cache, slots = kv_store
+        kv_width = n // 3
+        assert n % 3 == 0 and k_cache.is_contiguous() and v_cache.is_contiguous() and \
+            k_cache[0, 0].numel() == kv_width, "kv_store needs a q|k|v output and contiguous caches of its width"
+    _tile_gemm_kernel[grid](x2, weight, bias if bias is not None else weight, out, res,
+                            pro.norm_weight if pro is not None else weight, res_out, k_cache, v_cache, slots,
+                            rows, n, k, x2.stride(0), weight.stride(0), out.stride(0), res.stride(0),
+                            res_out.stride(0), float(pro.eps) if pro is not None else 0.0, kv_width,
+                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
+                            RMS=pro is not None, HAS_RES=pro is not None and pro.residual is not None,
+                            ACT=ACTIVATIONS[act], GATED=gated, STORE_KV=kv_store is not None,
+                            F32_DOT=src.dtype == torch.float32 or interpreting(), num_warps=num_warps, num_stages=num_stages)
+    return out.view(*src.shape[:-1], n)
