@@ -148,6 +148,7 @@ TUNING_ENV = {
     "encoder_join_steps": "ENC2DEC_ENCODER_JOIN_STEPS",
     "encoder_beside_decoder": "ENC2DEC_ENCODER_BESIDE_DECODER",
     "cross_kv_head_major": "ENC2DEC_CROSS_KV_HEAD_MAJOR",
+    "tile_gemm": "ENC2DEC_TILE_GEMM",
     "cpu_greedy_head": "ENC2DEC_CPU_GREEDY_HEAD",
 }
 
@@ -185,6 +186,11 @@ class TuningConfig:
     # bf16 KV, +7% with FP8, docs/benchmarks.md, session 28). The torch backend (the CPU) stores
     # its pools head-major anyway (FP8 aside).
     cross_kv_head_major: bool = True
+    # Decode steps of 2-256 rows (CUDA, triton, with fused_gemv): the decoder layers' pre-RMSNorms,
+    # MLP activations and K/V stores ride in a tensor-core tile GEMM (kernels/tile_gemm.py) instead
+    # of running as their own kernels beside the library GEMM. Experimental, off: not yet timed
+    # on a GPU (bench/scripts/tile_gemm_bench.py, then enc2dec bench).
+    tile_gemm: bool = False
     # Float32 on the CPU: a step of bare argmax rows finds their ids through a bfloat16 copy of
     # the LM head and proves them in float32 (engine/runner/greedy_head.py), instead of reading
     # the float32 head whole.
@@ -192,7 +198,7 @@ class TuningConfig:
 
     def __post_init__(self):
         o = "tuning"
-        for name in ("skinny_gemm", "fused_gemv", "encoder_beside_decoder", "cross_kv_head_major",
+        for name in ("skinny_gemm", "fused_gemv", "encoder_beside_decoder", "cross_kv_head_major", "tile_gemm",
                      "cpu_greedy_head"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{o}.{name} must be true or false, got {getattr(self, name)!r}")

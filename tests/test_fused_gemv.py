@@ -47,3 +47,40 @@ def test_fused_norms_and_activations_decode_the_same_tokens(family, request, mon
     expected = {"t5_relu": {"rms", "relu"}, "flan_t5": {"rms", "gelu_tanh"}, "bart": {"gelu"},  # post-norm: no norms
                 "mbart": {"layer", "relu"}, "whisper": {"layer", "gelu"}}[family]
     assert set(kinds) == expected | {"kv store"}
+
+
+@pytest.mark.parametrize("family", ["t5_relu", "flan_t5", "bart", "whisper"])
+def test_tile_gemm_decodes_a_batch_the_same_tokens(family, request, monkeypatch):
+    # tuning.tile_gemm: decode steps of several rows take the decoder layers' fusions through
+    # the tile GEMM (T5's RMSNorms folded into the product, activations, the K/V store; BART's
+    # and Whisper's LayerNorms stay their own kernels), the same greedy tokens as without it.
+    from enc2dec.kernels import tile_gemm
+
+    path = request.getfixturevalue(family)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    monkeypatch.setattr(TorchAttentionBackend, "head_major_pools", False)
+    prompts = [_request(family)] * 3 if family == "whisper" else \
+        ["the quick brown fox jumps over", "a b c", "translate English to German: hello there, friend"]
+    with LLM(path, dtype="float32", device="cpu", attn_backend="triton", max_batch_size=4,
+             kv_cache_config=KvCacheConfig(cross_kv_cache_fraction=0.5, tokens_per_block=4)) as llm:
+        plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        fast_linear.use_skinny_linear(llm.engine.runner.model, fuse=True, tile_rows=256)
+        kinds = []
+        kernel = fast_linear.tile_linear
+
+        def spy(x, *args, **kwargs):
+            kinds.extend([x.norm] if isinstance(x, Prologue) else [])
+            kinds.extend([kwargs["act"]] if kwargs.get("act") else [])
+            kinds.extend(["kv store"] if kwargs.get("kv_store") else [])
+            return kernel(x, *args, **kwargs)
+
+        monkeypatch.setattr(fast_linear, "tile_linear", spy)
+        launches = []
+        launch = tile_gemm._tile_gemm_kernel
+        monkeypatch.setattr(tile_gemm, "_tile_gemm_kernel", type("Spy", (), {
+            "__getitem__": lambda self, grid: (launches.append(grid), launch[grid])[1]})())
+        tiled = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert tiled == plain
+    expected = {"t5_relu": {"rms", "relu"}, "flan_t5": {"rms", "gelu_tanh"}, "bart": {"gelu"},
+                "whisper": {"gelu"}}[family]                          # no LayerNorm folds into the tile GEMM
+    assert set(kinds) == expected | {"kv store"} and launches
