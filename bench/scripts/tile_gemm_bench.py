@@ -111,7 +111,7 @@ def main() -> None:
             dflt = time_us(tile(default), a.iters)
             bms = [bm for bm in (16, 32, 64, 128) if bm <= max(16, rows)]
             grid = itertools.product(bms, (16, 32, 64, 128), (64, 128, 256), (4, 8), (2, 3, 4)) if a.full else \
-                itertools.product(bms[-2:], (32, 64), (64, 128), (4,), (3, 4))
+                itertools.product(bms[-2:], (16, 32, 64), (64, 128), (4,), (3, 4))
             best, best_cfg = dflt, default
             for cfg in grid:
                 try:
