@@ -1,0 +1,177 @@
+"""Compile the Triton kernels for a Hopper GPU on a machine without one (the CPU CI).
+
+    python tests/kernel_aot.py            # prints one line per compiled launch, exits 1 on a failure
+
+Each public op runs on small CPU tensors with its launches recorded instead of run (the
+arguments and launch options the op would give the GPU, its own configuration choices
+included), and every recorded launch is compiled with Triton's CUDA backend for sm_90 (ptxas
+ships with the triton wheel), with the specialisation a real launch would get (16-byte aligned
+pointers; integers divisible by 16 marked so). What this catches without a GPU: code that does
+not compile for the GPU (the interpreter runs Python, not the compiler), and configurations over
+the H100's 227 KiB of shared memory. Run in its own process: the interpreter (TRITON_INTERPRET=1,
+which the test session sets) replaces triton.language's own jit functions at import.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import sys
+
+assert os.environ.get("TRITON_INTERPRET", "0") != "1", "run without TRITON_INTERPRET (see the docstring)"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from enc2dec.kernels import lazy_jit  # noqa: E402
+
+SMEM_LIMIT = 227 * 1024          # an H100's (and H200's) shared memory a block may use
+TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.float8_e4m3fn: "*fp8e4nv",
+         torch.int32: "*i32", torch.int64: "*i64", torch.uint8: "*u8"}
+
+
+class _Recorder:
+    def __init__(self, name, kernel, launches):
+        self.name, self.kernel, self.launches = name, kernel, launches
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((self.name, self.kernel, args, kwargs))
+        return launch
+
+
+@contextlib.contextmanager
+def recorded(module):
+    """The module's ``lazy_jit`` kernels record their launches into the yielded list, and its
+    ops take the Triton path on CPU tensors."""
+    launches = []
+    saved = dict(vars(module))
+    for name, value in saved.items():
+        if isinstance(value, lazy_jit):
+            setattr(module, name, _Recorder(name, value, launches))
+    module.can_use_triton = lambda *tensors: True
+    try:
+        yield launches
+    finally:
+        for name in [n for n in vars(module) if n not in saved]:
+            delattr(module, name)
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
+def compile_launch(kernel: lazy_jit, args, kwargs):
+    """Compile one recorded launch for sm_90; returns the compiled kernel's shared memory bytes."""
+    module = kernel.fn.__globals__
+    module["tl"] = tl
+    for name, value in list(module.items()):
+        if isinstance(value, lazy_jit.helper):
+            module[name] = triton.jit(value.fn)
+    fn = triton.jit(kernel.fn, do_not_specialize=list(kernel.do_not_specialize) or None)
+    params = list(inspect.signature(kernel.fn).parameters)
+    options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+    values = dict(zip(params, args)) | {k: v for k, v in kwargs.items() if k not in options}
+    signature, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(params):
+        value = values[name]
+        annotation = str(inspect.signature(kernel.fn).parameters[name].annotation)
+        if "constexpr" in annotation:
+            signature[name] = "constexpr"
+            constexprs[(i,)] = value
+        elif isinstance(value, torch.Tensor):
+            signature[name] = TYPES[value.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, bool):
+            signature[name] = "i1"
+        elif isinstance(value, int):
+            signature[name] = "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
+            if value % 16 == 0 and name not in kernel.do_not_specialize:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:
+            raise TypeError(f"{name}: cannot type {value!r}")
+    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options=options)
+    return compiled.metadata.shared
+
+
+def _cases():
+    """(label, module, call) for the ops the engine runs on the GPU, at serving shapes."""
+    from enc2dec.kernels import kv_store, paged_attention, skinny_gemm, tile_gemm
+    from enc2dec.kernels.skinny_gemm import Prologue
+
+    bf = torch.bfloat16
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape, dtype=bf):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    def t5_calls(module, linear, rows):
+        d, ff = 1024, 2816
+        x, res, gain = rand(rows, d), rand(rows, d), rand(d)
+        pool = [torch.zeros(64, 16, 16, 64, dtype=bf) for _ in range(2)]
+        slots = torch.arange(rows, dtype=torch.int64)
+        return [
+            (f"{module.__name__.split('.')[-1]} q|k|v + norm + store, {rows} rows", module,
+             lambda: linear(Prologue(x, residual=res, norm_weight=gain), rand(3 * d, d), kv_store=(*pool, slots))),
+            (f"{module.__name__.split('.')[-1]} gate|up + norm + gelu_tanh, {rows} rows", module,
+             lambda: linear(Prologue(x, residual=res, norm_weight=gain), rand(2 * ff, d), act="gelu_tanh", gated=True)),
+            (f"{module.__name__.split('.')[-1]} down, {rows} rows", module, lambda: linear(rand(rows, ff), rand(d, ff))),
+        ]
+
+    cases = t5_calls(skinny_gemm, skinny_gemm.skinny_linear, 1)
+    for rows in (2, 64, 256):
+        cases += t5_calls(tile_gemm, tile_gemm.tile_linear, rows)
+
+    def cross(fp8, head_major, rows=64, keys=1500, heads=20):
+        blocks, dtype = rows * 94, torch.float8_e4m3fn if fp8 else bf
+        shape = (heads, blocks, 16, 64) if head_major else (blocks, 16, heads, 64)
+        k, v = (torch.zeros(shape, dtype=dtype) for _ in range(2))
+        scales = None
+        if fp8:
+            s_shape = (heads, blocks, 16) if head_major else (blocks, 16, heads)
+            scales = tuple(torch.zeros(s_shape, dtype=torch.float16) for _ in range(2))
+            if head_major:
+                scales = tuple(s.permute(1, 2, 0) for s in scales)
+        if head_major:
+            k, v = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
+        tables = torch.arange(blocks, dtype=torch.int32).view(rows, -1)
+        lens = torch.full((rows,), keys, dtype=torch.int32)
+        qsl = torch.arange(rows + 1, dtype=torch.int32)
+        label = f"whisper cross attention, {'fp8' if fp8 else 'bf16'}, {'head' if head_major else 'token'}-major"
+        return [(label, paged_attention, lambda: paged_attention.paged_attention(
+                    rand(rows, heads, 64), k, v, qsl, lens, tables, 0.125, causal=False, num_splits=2,
+                    kv_scales=scales)),
+                (f"store of {label}", kv_store, lambda: kv_store.store_kv(
+                    rand(300, heads, 64), rand(300, heads, 64), k, v, torch.arange(300, dtype=torch.int64),
+                    kv_scales=scales))]
+
+    for fp8 in (False, True):
+        for head_major in (False, True):
+            cases += cross(fp8, head_major)
+    return cases
+
+
+def main() -> int:
+    failed = 0
+    for label, module, call in _cases():
+        with recorded(module) as launches:
+            call()
+        for name, kernel, args, kwargs in launches:
+            try:
+                smem = compile_launch(kernel, args, kwargs)
+            except Exception as e:  # noqa: BLE001 - report every failure, not only the first
+                print(f"FAIL {label}: {name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                failed += 1
+                continue
+            verdict = "ok" if smem <= SMEM_LIMIT else "FAIL shared memory over the H100's"
+            failed += smem > SMEM_LIMIT
+            print(f"{verdict} {label}: {name} ({smem} B shared)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
