@@ -106,6 +106,20 @@ def _skinny_gemm_kernel(
         if GATED:
             w_up = tl.load(w_ptr + N.to(tl.int64) * stride_wn + w_offs, mask=mw, other=0.0).to(tl.float32)
             acc_up += tl.sum(x[:, None, :] * w_up[None, :, :], axis=2)
+    out = _epilogue(acc, acc_up, b_ptr, out_ptr, offs_n, mask_n, N, HAS_BIAS, ACT, GATED)
+    mo = mask_m[:, None] & mask_n[None, :]
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=mo)
+    if STORE_KV:
+        _store_k_and_v(out, offs_m, offs_n, mask_m, mo, slot_ptr, k_cache_ptr, v_cache_ptr, kv_width)
+
+
+@lazy_jit.helper
+def _epilogue(acc, acc_up, b_ptr, out_ptr, offs_n, mask_n, N, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+              GATED: tl.constexpr):
+    # A GEMM's [BM, BN] fp32 product -> out_ptr's dtype: bias, then ACT (0 none, 1 gelu (erf),
+    # 2 gelu (tanh), 3 relu); GATED: acc_up is the product of the up half (weight rows N + n).
+    # Shared by the skinny GEMV and the tile GEMM (kernels/tile_gemm.py).
+    act_dtype = out_ptr.dtype.element_ty
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         if GATED:
@@ -124,16 +138,20 @@ def _skinny_gemm_kernel(
         if GATED:
             g = g * acc_up.to(act_dtype).to(tl.float32)
         acc = g
-    out = acc.to(out_ptr.dtype.element_ty)
-    mo = mask_m[:, None] & mask_n[None, :]
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=mo)
-    if STORE_KV:
-        slot = tl.load(slot_ptr + offs_m, mask=mask_m, other=-1).to(tl.int64)             # [BM]
-        dst = slot[:, None] * kv_width + (offs_n % kv_width)[None, :]
-        live = mo & (slot >= 0)[:, None]
-        is_k = (offs_n >= kv_width) & (offs_n < 2 * kv_width)
-        tl.store(k_cache_ptr + dst, out.to(k_cache_ptr.dtype.element_ty), mask=live & is_k[None, :])
-        tl.store(v_cache_ptr + dst, out.to(v_cache_ptr.dtype.element_ty), mask=live & (offs_n >= 2 * kv_width)[None, :])
+    return acc.to(act_dtype)
+
+
+@lazy_jit.helper
+def _store_k_and_v(out, offs_m, offs_n, mask_m, mo, slot_ptr, k_cache_ptr, v_cache_ptr, kv_width):
+    # out [BM, BN] is a block of a q|k|v product, kv_width wide each: its k and v columns go to
+    # the contiguous [blocks, tokens_per_block, heads, head_dim] caches at each row's slot
+    # (< 0: nowhere); mo masks the block's valid elements.
+    slot = tl.load(slot_ptr + offs_m, mask=mask_m, other=-1).to(tl.int64)             # [BM]
+    dst = slot[:, None] * kv_width + (offs_n % kv_width)[None, :]
+    live = mo & (slot >= 0)[:, None]
+    is_k = (offs_n >= kv_width) & (offs_n < 2 * kv_width)
+    tl.store(k_cache_ptr + dst, out.to(k_cache_ptr.dtype.element_ty), mask=live & is_k[None, :])
+    tl.store(v_cache_ptr + dst, out.to(v_cache_ptr.dtype.element_ty), mask=live & (offs_n >= 2 * kv_width)[None, :])
 
 
 ACTIVATIONS = {None: 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}

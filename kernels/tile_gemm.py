@@ -27,7 +27,7 @@ import torch
 
 from . import can_use_triton, interpreting, lazy_jit
 from .reference import skinny_linear_ref, store_kv_ref
-from .skinny_gemm import ACTIVATIONS, Prologue, activation_ref
+from .skinny_gemm import ACTIVATIONS, Prologue, _epilogue, _store_k_and_v, activation_ref
 
 tl = None  # triton.language, bound by lazy_jit at the first launch (annotations stay strings)
 
@@ -94,34 +94,11 @@ def _tile_gemm_kernel(
         acc = acc * rstd[:, None]
         if GATED:
             acc_up = acc_up * rstd[:, None]
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        if GATED:
-            acc_up += tl.load(b_ptr + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    if ACT != 0:                      # on the rounded product, as the separate activation kernel reads it
-        y = acc.to(act_dtype).to(tl.float32)
-        if ACT == 1:
-            y = 0.5 * y * (1.0 + tl.erf(y * 0.7071067811865476))
-        elif ACT == 2:
-            u = 0.7978845608028654 * (y + 0.044715 * y * y * y)
-            e = tl.exp(-2.0 * tl.abs(u))
-            tanh_abs = (1.0 - e) / (1.0 + e)
-            y = 0.5 * y * (1.0 + tl.where(u >= 0, tanh_abs, -tanh_abs))
-        else:
-            y = tl.maximum(y, 0.0)
-        if GATED:
-            y = y * acc_up.to(act_dtype).to(tl.float32)
-        acc = y
-    out = acc.to(act_dtype)
+    out = _epilogue(acc, acc_up, b_ptr, out_ptr, offs_n, mask_n, N, HAS_BIAS, ACT, GATED)
     mo = mask_m[:, None] & mask_n[None, :]
     tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], out, mask=mo)
     if STORE_KV:
-        slot = tl.load(slot_ptr + offs_m, mask=mask_m, other=-1).to(tl.int64)             # [BM]
-        dst = slot[:, None] * kv_width + (cols % kv_width)[None, :]
-        live = mo & (slot >= 0)[:, None]
-        is_k = (offs_n >= kv_width) & (offs_n < 2 * kv_width)
-        tl.store(k_cache_ptr + dst, out.to(k_cache_ptr.dtype.element_ty), mask=live & is_k[None, :])
-        tl.store(v_cache_ptr + dst, out.to(v_cache_ptr.dtype.element_ty), mask=live & (offs_n >= 2 * kv_width)[None, :])
+        _store_k_and_v(out, offs_m, offs_n, mask_m, mo, slot_ptr, k_cache_ptr, v_cache_ptr, kv_width)
 
 
 def launch_config(rows: int, n: int, k: int) -> tuple[int, int, int, int, int]:

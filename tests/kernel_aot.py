@@ -68,6 +68,7 @@ def compile_launch(kernel: lazy_jit, args, kwargs):
     module["tl"] = tl
     for name, value in list(module.items()):
         if isinstance(value, lazy_jit.helper):
+            value.fn.__globals__["tl"] = tl
             module[name] = triton.jit(value.fn)
     fn = triton.jit(kernel.fn, do_not_specialize=list(kernel.do_not_specialize) or None)
     params = list(inspect.signature(kernel.fn).parameters)
