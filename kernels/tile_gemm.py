@@ -26,8 +26,7 @@ from __future__ import annotations
 import torch
 
 from . import can_use_triton, interpreting, lazy_jit
-from .reference import skinny_linear_ref, store_kv_ref
-from .skinny_gemm import ACTIVATIONS, Prologue, _epilogue, _store_k_and_v, activation_ref
+from .skinny_gemm import ACTIVATIONS, GemmOperands, Prologue, _epilogue, _store_k_and_v, fused_linear_ref
 
 tl = None  # triton.language, bound by lazy_jit at the first launch (annotations stay strings)
 
@@ -125,39 +124,17 @@ def tile_linear(x: torch.Tensor | Prologue, weight: torch.Tensor, bias: torch.Te
     foldable = pro is None or pro.norm == "rms"
     if not (MIN_ROWS <= rows <= MAX_ROWS) or not foldable or not can_use_triton(src, weight) \
             or weight.stride(-1) != 1:
-        y = activation_ref(skinny_linear_ref(pro.materialize() if pro is not None else x, weight, bias), act, gated)
-        if kv_store is not None:
-            q, k, v = y.reshape(-1, 3, y.shape[-1] // 3).unbind(1)
-            k_cache, v_cache, slots = kv_store
-            store_kv_ref(k.reshape(-1, *k_cache.shape[2:]), v.reshape(-1, *v_cache.shape[2:]), k_cache, v_cache, slots)
-        return y
-    n, k = weight.shape
-    if gated:
-        assert n % 2 == 0, f"a gated product needs an even number of weight rows, got {n}"
-        n //= 2
-    x2 = src.reshape(rows, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    res = res_out = x2
-    if pro is not None and pro.residual is not None:
-        res = pro.residual.reshape(rows, k).contiguous()
-        res_out = pro.res_out.view(rows, k)
-    out = torch.empty((rows, n), dtype=src.dtype, device=src.device)
-    block_m, block_n, block_k, num_warps, num_stages = config or launch_config(rows, n, k)
-    grid = (-(-n // block_n), -(-rows // block_m))
-    k_cache = v_cache = slots = weight
-    kv_width = 0
-    if kv_store is not None:
-        k_cache, v_cache, slots = kv_store
-        kv_width = n // 3
-        assert n % 3 == 0 and k_cache.is_contiguous() and v_cache.is_contiguous() and \
-            k_cache[0, 0].numel() == kv_width, "kv_store needs a q|k|v output and contiguous caches of its width"
-    _tile_gemm_kernel[grid](x2, weight, bias if bias is not None else weight, out, res,
-                            pro.norm_weight if pro is not None else weight, res_out, k_cache, v_cache, slots,
-                            rows, n, k, x2.stride(0), weight.stride(0), out.stride(0), res.stride(0),
-                            res_out.stride(0), float(pro.eps) if pro is not None else 0.0, kv_width,
+        return fused_linear_ref(x, weight, bias, act, gated, kv_store)
+    o = GemmOperands.of(pro, src, weight, gated, kv_store)
+    block_m, block_n, block_k, num_warps, num_stages = config or launch_config(rows, o.n, o.k)
+    grid = (-(-o.n // block_n), -(-rows // block_m))
+    _tile_gemm_kernel[grid](o.x, weight, bias if bias is not None else weight, o.out, o.res,
+                            pro.norm_weight if pro is not None else weight, o.res_out, o.k_cache, o.v_cache, o.slots,
+                            rows, o.n, o.k, o.x.stride(0), weight.stride(0), o.out.stride(0), o.res.stride(0),
+                            o.res_out.stride(0), float(pro.eps) if pro is not None else 0.0, o.kv_width,
                             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
                             RMS=pro is not None, HAS_RES=pro is not None and pro.residual is not None,
                             ACT=ACTIVATIONS[act], GATED=gated, STORE_KV=kv_store is not None,
-                            F32_DOT=src.dtype == torch.float32 or interpreting(), num_warps=num_warps, num_stages=num_stages)
-    return out.view(*src.shape[:-1], n)
+                            F32_DOT=src.dtype == torch.float32 or interpreting(), num_warps=num_warps,
+                            num_stages=num_stages)
+    return o.out.view(*src.shape[:-1], o.n)
