@@ -100,7 +100,7 @@ def compile_launch(kernel: lazy_jit, args, kwargs):
 
 
 def _cases():
-    """(label, module, call) for the ops the engine runs on the GPU, at serving shapes."""
+    """(label, module, call) for every op the engine runs on the GPU, at serving shapes."""
     from enc2dec.kernels import kv_store, paged_attention, skinny_gemm, tile_gemm
     from enc2dec.kernels.skinny_gemm import Prologue
 
@@ -153,6 +153,21 @@ def _cases():
     for fp8 in (False, True):
         for head_major in (False, True):
             cases += cross(fp8, head_major)
+
+    from enc2dec.kernels import activations, norms, sampling
+    x, res = rand(64, 1024), rand(64, 1024)
+    cases += [("add + RMSNorm", norms, lambda: norms.fused_add_rms_norm(x, res, rand(1024), 1e-6)),
+              ("add + LayerNorm", norms, lambda: norms.fused_add_layer_norm(x, res, rand(1024), rand(1024), 1e-5)),
+              ("gelu", activations, lambda: activations.gelu(rand(64, 5120))),
+              ("gated gelu", activations, lambda: activations.gated_gelu(rand(64, 2 * 2816)))]
+    scores = torch.randn(64, 51866, generator=g)
+    keys = torch.randint(0, 2 ** 31, (64, 3), generator=g)
+    filters = (torch.full((64,), -float("inf")), torch.full((64,), 0.95), torch.zeros(64))
+    cases += [("gumbel race", sampling, lambda: sampling.gumbel_race(scores, keys[:8], keys[8:])),
+              ("filtered race, one program a row", sampling,
+               lambda: sampling.filtered_race(scores, *filters, keys[:8], keys[8:], splits=1)),
+              ("filtered race, split rows", sampling,
+               lambda: sampling.filtered_race(scores, *filters, keys[:8], keys[8:], splits=4))]
     return cases
 
 
