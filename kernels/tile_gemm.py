@@ -17,6 +17,9 @@ the activation dtype, where the separate kernels round ``h * rstd`` and then its
 not bit for bit. LayerNorm is not folded (its mean term would subtract two large dot products
 in bf16); a LayerNorm ``Prologue`` is computed first by the reference.
 
+The kernel takes any number of rows (an encoder batch gets a 128 x 128 compute tile):
+``bench/scripts/tile_gemm_bench.py --encoder`` times Whisper's encoder fc1 with its erf-GELU in
+the epilogue against cuBLAS + the GELU kernel (cuBLASLt's GELU epilogue is the tanh form).
 ``engine/runner/fast_linear.py`` routes the decoder layers' fused calls of 2-256 rows here
 under ``tuning.tile_gemm`` (off until timed on a GPU: ``bench/scripts/tile_gemm_bench.py``
 against the separate kernels + cuBLAS at flan-t5-large's shapes, then ``enc2dec bench``).
@@ -30,7 +33,9 @@ from .skinny_gemm import ACTIVATIONS, GemmOperands, Prologue, _epilogue, _store_
 
 tl = None  # triton.language, bound by lazy_jit at the first launch (annotations stay strings)
 
-MIN_ROWS, MAX_ROWS = 1, 256
+# The most rows of a decode step the engine sends here (tuning.tile_gemm); the kernel itself takes
+# any number (an encoder batch's, for bench/scripts/tile_gemm_bench.py --encoder).
+DECODE_ROWS = 256
 
 
 @lazy_jit
@@ -105,6 +110,8 @@ def launch_config(rows: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     shapes (every weight tile read once per row block; narrow N blocks so that even a
     1,024-wide output keeps most SMs reading). To be replaced by the sweep of
     bench/scripts/tile_gemm_bench.py on the GPU."""
+    if rows > DECODE_ROWS:            # an encoder batch: compute-bound, the usual Hopper tile
+        return 128, 128, 64, 8, 3
     block_m = min(128, max(16, 1 << (rows - 1).bit_length()))
     block_n = 32 if n <= 4096 else 64
     return block_m, block_n, 128, 4, 3
@@ -113,16 +120,16 @@ def launch_config(rows: int, n: int, k: int) -> tuple[int, int, int, int, int]:
 def tile_linear(x: torch.Tensor | Prologue, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                 act: str | None = None, gated: bool = False, kv_store: tuple | None = None,
                 config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for ``x [..., K]`` with at most ``MAX_ROWS`` rows, the
+    """``F.linear(x, weight, bias)`` for ``x [..., K]``, the
     arguments of ``skinny_gemm.skinny_linear`` (a ``Prologue`` input, ``act``, ``gated``,
     ``kv_store``). An RMSNorm ``Prologue`` is folded into the product (module docstring); a
-    LayerNorm one, more rows, or no Triton fall back to the references. ``config``:
+    LayerNorm one, or no Triton fall back to the references. ``config``:
     ``launch_config``'s tuple, for the tuning script."""
     pro = x if isinstance(x, Prologue) else None
     src = pro.x if pro is not None else x
     rows = src.numel() // src.shape[-1] if src.shape[-1] else 0
     foldable = pro is None or pro.norm == "rms"
-    if not (MIN_ROWS <= rows <= MAX_ROWS) or not foldable or not can_use_triton(src, weight) \
+    if rows == 0 or not foldable or not can_use_triton(src, weight) \
             or weight.stride(-1) != 1:
         return fused_linear_ref(x, weight, bias, act, gated, kv_store)
     o = GemmOperands.of(pro, src, weight, gated, kv_store)

@@ -127,6 +127,9 @@ def _cases():
     for rows in (2, 64, 256):
         cases += t5_calls(tile_gemm, tile_gemm.tile_linear, rows)
 
+    cases.append(("tile_gemm whisper encoder fc1 + bias + gelu, 3000 rows", tile_gemm,
+                  lambda: tile_gemm.tile_linear(rand(3000, 1280), rand(5120, 1280), rand(5120), act="gelu")))
+
     def cross(fp8, head_major, rows=64, keys=1500, heads=20):
         blocks, dtype = rows * 94, torch.float8_e4m3fn if fp8 else bf
         shape = (heads, blocks, 16, 64) if head_major else (blocks, 16, heads, 64)

@@ -63,3 +63,19 @@ def test_a_t5_mlp_input_with_its_norm_and_gate_in_one_launch_at_64_rows(monkeypa
     assert launches and got.shape == (rows, n)
     assert_close(got, want, torch.float32)
     assert torch.equal(fused.res_out, new_res)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_encoder_batch_with_bias_and_gelu_in_the_epilogue(dtype):
+    # Whisper's encoder fc1 shape, narrowed: more rows than a decode step, so the default
+    # launch takes the 128 x 128 compute tile (three row blocks, two column blocks here).
+    from enc2dec.kernels import tile_gemm
+
+    g = torch.Generator().manual_seed(1)
+    rows, n, k = 300, 136, 72
+    assert tile_gemm.launch_config(rows, n, k)[:2] == (128, 128)
+    x = torch.randn(rows, k, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEVICE, dtype)
+    b = torch.randn(n, generator=g).to(DEVICE, dtype)
+    want = skinny_gemm.activation_ref(ref.skinny_linear_ref(x.float(), w.float(), b.float()).to(dtype), "gelu", False)
+    assert_close(tile_linear(x, w, b, act="gelu"), want, dtype)

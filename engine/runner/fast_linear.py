@@ -37,7 +37,7 @@ from enc2dec.engine.models.layers import (DenseMLP, GatedMLP, LayerNorm, MergedL
                                           SelfAttention, gelu_tanh)
 from enc2dec.engine.models.t5 import T5Layer
 from enc2dec.kernels.skinny_gemm import Prologue, skinny_linear      # triton itself loads at the first launch
-from enc2dec.kernels.tile_gemm import MAX_ROWS as TILE_MAX_ROWS
+from enc2dec.kernels.tile_gemm import DECODE_ROWS as TILE_MAX_ROWS
 from enc2dec.kernels.tile_gemm import tile_linear
 
 logger = logging.getLogger("enc2dec")
