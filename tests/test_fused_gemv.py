@@ -82,3 +82,29 @@ def test_tile_gemm_decodes_a_batch_the_same_tokens(family, request, monkeypatch)
     expected = {"t5_relu": {"rms", "relu"}, "flan_t5": {"rms", "gelu_tanh"}, "bart": {"gelu"},
                 "whisper": {"gelu"}}[family]                          # no LayerNorm folds into the tile GEMM
     assert set(kinds) == expected | {"kv store"} and launches
+
+
+@pytest.mark.parametrize("family", ["flan_t5", "bart", "whisper"])
+def test_encoder_mlps_in_the_tile_gemm_encode_the_same(family, request, monkeypatch):
+    # tuning.tile_gemm_encoder: an encoder layer's MLP runs its first projection and activation
+    # (gated for flan-T5, erf-GELU with bias for BART and Whisper) as one tile GEMM over the
+    # whole batch of encoder positions; the greedy tokens are those of the library GEMM path.
+    path = request.getfixturevalue(family)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    monkeypatch.setattr(TorchAttentionBackend, "head_major_pools", False)
+    prompts = [_request(family)] * 2 if family == "whisper" else ["the quick brown fox jumps over", "a b c"]
+    with LLM(path, dtype="float32", device="cpu", attn_backend="triton", max_batch_size=2,
+             kv_cache_config=KvCacheConfig(cross_kv_cache_fraction=0.5, tokens_per_block=4)) as llm:
+        plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        fast_linear.use_skinny_linear(llm.engine.runner.model, fuse=True, encoder_tile=True)
+        rows = []
+        kernel = fast_linear.tile_linear
+
+        def spy(x, *args, **kwargs):
+            rows.append(x.shape[0] if x.dim() == 2 else x.numel() // x.shape[-1])
+            return kernel(x, *args, **kwargs)
+
+        monkeypatch.setattr(fast_linear, "tile_linear", spy)
+        tiled = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert tiled == plain
+    assert rows and max(rows) > 2              # encoder batches (a decode step has at most 2 rows here)

@@ -20,7 +20,9 @@ With ``tile_rows`` (``tuning.tile_gemm``, experimental, off), the decoder layers
 ``tile_rows`` rows take the same fusions through the tile GEMM (``kernels/tile_gemm.py``, tensor
 cores): an RMSNorm folded into the product after it, the activation, the K/V store. LayerNorms
 do not fold there (the kernel's docstring says why) and stay their own kernels; plain
-projections keep the library GEMM.
+projections keep the library GEMM. With ``encoder_tile`` (``tuning.tile_gemm_encoder``,
+experimental, off) the encoder layers' MLPs do their first projection and activation in one
+tile GEMM (Whisper's erf-GELU, which cuBLASLt's epilogue does not have).
 """
 from __future__ import annotations
 
@@ -58,6 +60,9 @@ GEMV_FED_NORMS = {
     BartEncoderLayer: ("self_attn_layer_norm", "final_layer_norm"),
     BartDecoderLayer: ("self_attn_layer_norm", "encoder_attn_layer_norm", "final_layer_norm"),
 }
+
+# An encoder MLP with tuning.tile_gemm_encoder takes every call of several rows (a batch of clips).
+ENCODER_TILE_ROWS = 1 << 40
 
 # Activations the skinny GEMV can apply to its output (kernels/skinny_gemm.py).
 _GEMV_ACTS = {F.relu: "relu", F.gelu: "gelu", gelu_tanh: "gelu_tanh"}
@@ -195,10 +200,12 @@ def _fusions(model: nn.Module):
                 yield norm, _mixed(DeferredNorm, type(norm))
 
 
-def use_skinny_linear(model: nn.Module, fuse: bool = True, tile_rows: int = 0) -> int:
+def use_skinny_linear(model: nn.Module, fuse: bool = True, tile_rows: int = 0, encoder_tile: bool = False) -> int:
     """Swap the classes of the model's plain linear layers (and, with ``fuse``, of the modules
     whose work rides in their GEMV; with ``tile_rows`` > 0 the decoder layers' fusions also
-    take calls of up to that many rows through the tile GEMM); returns how many linear layers."""
+    take calls of up to that many rows through the tile GEMM; with ``encoder_tile`` the encoder
+    layers' MLPs run their first projection and activation as one tile GEMM at any number of
+    rows); returns how many linear layers."""
     assert 0 <= tile_rows <= TILE_MAX_ROWS, f"tile_rows must be within 0..{TILE_MAX_ROWS}, got {tile_rows}"
     count = fused = tiled = 0
     for module in model.modules():
@@ -212,9 +219,13 @@ def use_skinny_linear(model: nn.Module, fuse: bool = True, tile_rows: int = 0) -
         if tile_rows and in_decoder:
             module.tile_rows = tile_rows
             tiled += 1
+        elif encoder_tile and not in_decoder and isinstance(module, ActInGemv):
+            module.tile_rows = ENCODER_TILE_ROWS
+            tiled += 1
     logger.info("skinny GEMV kernel on %d linear layers for steps of %d row(s); %d norms, activations "
                 "and K/V stores ride in it%s", count, DISPATCH_ROWS, fused,
-                f", {tiled} of them also in the tile GEMM for 2-{tile_rows} rows" if tiled else "")
+                f", {tiled} of them also in the tile GEMM (decoder steps of 2-{tile_rows} rows: "
+                f"{'on' if tile_rows else 'off'}, encoder MLPs: {'on' if encoder_tile else 'off'})" if tiled else "")
     return count
 
 

@@ -178,7 +178,8 @@ class ModelRunner:
         skinny = tuning.skinny_gemm and skinny_linear_enabled(device, self.backend.name)
         if skinny:
             use_skinny_linear(self.model, fuse=tuning.fused_gemv,
-                              tile_rows=TILE_MAX_ROWS if tuning.tile_gemm else 0)
+                              tile_rows=TILE_MAX_ROWS if tuning.tile_gemm else 0,
+                              encoder_tile=tuning.tile_gemm_encoder)
         # One kernel path per linear: the skinny GEMV's classes (CUDA, or the interpreter when
         # tests ask for it on the CPU) take fused prologues the packed CPU product cannot.
         elif packed_cpu_linear_available(device, dtype):
