@@ -89,6 +89,11 @@ class lazy_jit:
         return lazy_jit(fn, do_not_specialize=self.do_not_specialize)
 
     def __getitem__(self, grid):
+        return self.jitted()[grid]
+
+    def jitted(self):
+        """The ``triton.jit`` kernel, made at the first call: binds ``tl`` and jits the helpers its
+        module holds (``tests/kernel_aot.py`` compiles it for a GPU target from here)."""
         if self._kernel is None:
             import triton
             import triton.language as tl
@@ -104,7 +109,7 @@ class lazy_jit:
                     value.fn.__globals__["tl"] = tl        # a helper imported from another kernel module
                     module[name] = triton.jit(value.fn)
             self._kernel = triton.jit(self.fn, do_not_specialize=list(self.do_not_specialize) or None)
-        return self._kernel[grid]
+        return self._kernel
 
 
 def _check_interpreter_mode(tl) -> None:

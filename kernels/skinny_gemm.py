@@ -235,11 +235,10 @@ def fused_linear_ref(x: torch.Tensor | Prologue, weight: torch.Tensor, bias: tor
 @dataclasses.dataclass
 class GemmOperands:
     """A fused linear's launch operands, shared by the GEMV and the tile GEMM's wrappers: the
-    input as ``[rows, k]`` rows, the residual stream in and out (the input itself when there is
+    input as ``[rows, k]``, the residual stream in and out (the input itself when there is
     none), the output ``[rows, n]`` (``n`` halved for a gated product), and the K/V caches
     (the weight as a dummy pointer without a store)."""
 
-    rows: int
     n: int
     k: int
     x: torch.Tensor
@@ -274,7 +273,7 @@ class GemmOperands:
             kv_width = n // 3
             assert n % 3 == 0 and k_cache.is_contiguous() and v_cache.is_contiguous() and \
                 k_cache[0, 0].numel() == kv_width, "kv_store needs a q|k|v output and contiguous caches of its width"
-        return cls(rows, n, k, x2, res, res_out, out, k_cache, v_cache, slots, kv_width)
+        return cls(n, k, x2, res, res_out, out, k_cache, v_cache, slots, kv_width)
 
 
 def skinny_linear(x: torch.Tensor | Prologue, weight: torch.Tensor, bias: torch.Tensor | None = None, *,

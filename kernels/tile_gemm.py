@@ -1,5 +1,5 @@
-"""``y = rms_norm(x + residual) @ W.T`` for a decode step of 16-256 rows, on tensor cores, with
-the norm before it and the activation or K/V store after it in the same launch.
+"""``y = rms_norm(x + residual) @ W.T`` for a decode step of 2-256 rows (or an encoder batch), on
+tensor cores, with the norm before it and the activation or K/V store after it in the same launch.
 
 At C=64 a flan-t5-large decode step runs about 400 kernels (docs/benchmarks.md, Run N), and per
 decoder layer five of them are only there because the library GEMM cannot take a prologue or

@@ -22,7 +22,6 @@ assert os.environ.get("TRITON_INTERPRET", "0") != "1", "run without TRITON_INTER
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
@@ -64,13 +63,7 @@ def recorded(module):
 
 def compile_launch(kernel: lazy_jit, args, kwargs):
     """Compile one recorded launch for sm_90; returns the compiled kernel's shared memory bytes."""
-    module = kernel.fn.__globals__
-    module["tl"] = tl
-    for name, value in list(module.items()):
-        if isinstance(value, lazy_jit.helper):
-            value.fn.__globals__["tl"] = tl
-            module[name] = triton.jit(value.fn)
-    fn = triton.jit(kernel.fn, do_not_specialize=list(kernel.do_not_specialize) or None)
+    fn = kernel.jitted()
     params = list(inspect.signature(kernel.fn).parameters)
     options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
     values = dict(zip(params, args)) | {k: v for k, v in kwargs.items() if k not in options}

@@ -75,7 +75,7 @@ def _one_row(x: torch.Tensor | Prologue) -> bool:
 
 def _tiled(module: nn.Module, x: torch.Tensor | Prologue) -> bool:
     """A call of several rows that the tile GEMM takes (``module.tile_rows``: 0 unless
-    ``use_skinny_linear`` set it on a decoder layer's module)."""
+    ``use_skinny_linear`` set it on a decoder layer's module or an encoder layer's MLP)."""
     shape = x.shape
     return len(shape) >= 1 and shape[-1] > 0 and 1 < math.prod(shape[:-1]) <= module.tile_rows
 
@@ -224,8 +224,9 @@ def use_skinny_linear(model: nn.Module, fuse: bool = True, tile_rows: int = 0, e
             tiled += 1
     logger.info("skinny GEMV kernel on %d linear layers for steps of %d row(s); %d norms, activations "
                 "and K/V stores ride in it%s", count, DISPATCH_ROWS, fused,
-                f", {tiled} of them also in the tile GEMM (decoder steps of 2-{tile_rows} rows: "
-                f"{'on' if tile_rows else 'off'}, encoder MLPs: {'on' if encoder_tile else 'off'})" if tiled else "")
+                f", {tiled} of them also in the tile GEMM ("
+                + ", ".join([f"decoder steps of 2-{tile_rows} rows"] * bool(tile_rows) + ["encoder MLPs"] * encoder_tile)
+                + ")" if tiled else "")
     return count
 
 
