@@ -4,6 +4,7 @@ flan-t5-large's decoder shapes and a decode step's rows, on CUDA.
     python bench/scripts/tile_gemm_bench.py                       # rows 16,64,256, a small sweep
     python bench/scripts/tile_gemm_bench.py --rows 64 --full      # every config of the grid
     python bench/scripts/tile_gemm_bench.py --encoder              # Whisper's encoder GEMMs, fc1 + GELU fused
+    python bench/scripts/tile_gemm_bench.py --no-sweep             # the default configs only (seconds)
 
 For each projection of a T5 decoder layer that carries a fusion (q|k|v: add + RMSNorm before, the
 K/V store after; cross q: add + RMSNorm; gate|up: add + RMSNorm, gelu_tanh(gate) * up) and the
@@ -115,6 +116,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--copies", type=int, default=12, help="weight copies cycled (past the L2 cache)")
     ap.add_argument("--full", action="store_true", help="sweep the whole config grid (slower)")
+    ap.add_argument("--no-sweep", action="store_true",
+                    help="time the default config only (a sweep compiles 24-48 configs per shape and rows)")
     a = ap.parse_args()
     a.rows = a.rows or ("1500,3000" if a.encoder else "16,64,256")
     a.shapes = a.shapes or ",".join(ENCODER_SHAPES if a.encoder else SHAPES)
@@ -129,7 +132,9 @@ def main() -> None:
             default = launch_config(rows, n, k)
             dflt = time_us(tile(default), a.iters)
             bms = [bm for bm in (16, 32, 64, 128) if bm <= max(16, rows)]
-            if a.encoder:
+            if a.no_sweep:
+                grid = ()
+            elif a.encoder:
                 grid = itertools.product((64, 128), (64, 128, 256), (32, 64), (4, 8), (3, 4))
             elif a.full:
                 grid = itertools.product(bms, (16, 32, 64, 128), (64, 128, 256), (4, 8), (2, 3, 4))
