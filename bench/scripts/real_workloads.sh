@@ -26,7 +26,7 @@
 #            same runs with bf16 KV (wh-plain, t5-greedy: run those sections in the same call)
 #   desync-ab flan-t5-large and whisper-large-v3 with lengths spread, the encoder beside the decoder
 #            (ENC2DEC_ENCODER_BESIDE_DECODER=1, experimental) against the encoder inside the step
-#   turbo-ab, wh-ab  turbo (whisper-large-v3) once per AB entry (NAME:VAR=v,--flag=v: tuning variables
+#   turbo-ab, wh-ab, bart-ab  turbo (whisper-large-v3) once per AB entry (NAME:VAR=v,--flag=v: tuning variables
 #            and extra bench flags for that run), each against turbo-hfc's (wh-plain's) enc2dec figure of the same call;
 #            fp8-ab: whisper-large-v3 with --kv-cache-dtype fp8 the same way, against fp8's wh-fp8;
 #            t5-ab: flan-t5-large greedy the same way, against greedy's t5-greedy
@@ -181,8 +181,8 @@ for section in $SECTIONS; do
       run turbo-join$k-enc$b $LIMIT --model $WHT $COMMON $AUD --concurrency $C --num-requests $NUM
     done
     RUN_ENV= ;;
-  turbo-ab|wh-ab|fp8-ab|t5-ab)   # turbo (wh-ab: whisper-large-v3; fp8-ab: the same with FP8 KV; t5-ab:
-    # flan-t5-large greedy) under tuning variables, against turbo-hfc / wh-plain / wh-fp8 / t5-greedy. AB: NAME:ITEM,ITEM entries, one run each;
+  turbo-ab|wh-ab|fp8-ab|t5-ab|bart-ab)   # turbo (wh-ab: whisper-large-v3; fp8-ab: the same with FP8 KV; t5-ab:
+    # flan-t5-large greedy; bart-ab: bart-large-cnn 384/128 at C=128, issue 19's row) under tuning variables, against turbo-hfc / wh-plain / wh-fp8 / t5-greedy. AB: NAME:ITEM,ITEM entries, one run each;
     # an item is VAR=v (the run's environment) or --flag=v (one more bench flag, e.g. --kv-cache-dtype=fp8)
     for spec in ${AB:-j3:ENC2DEC_ENCODER_JOIN_STEPS=3}; do
       RUN_ENV= ab_args=()
@@ -194,6 +194,8 @@ for section in $SECTIONS; do
         wh-ab) run wh-ab-${spec%%:*} $LIMIT $WHRUN "${ab_args[@]}" ;;
         fp8-ab) run wh-fp8-ab-${spec%%:*} $LIMIT $WHRUN --kv-cache-dtype fp8 "${ab_args[@]}" ;;
         t5-ab) run t5-ab-${spec%%:*} $LIMIT $T5RUN "${ab_args[@]}" ;;
+        bart-ab) run bart-ab-${spec%%:*} $LIMIT --model $BART ${COMMON/--max-batch-size $C/--max-batch-size $CBART} \
+                   $BTXT --concurrency $CBART --num-requests $NUMB "${ab_args[@]}" ;;
       esac
     done
     RUN_ENV= ;;
