@@ -106,20 +106,6 @@ def _skinny_gemm_kernel(
         if GATED:
             w_up = tl.load(w_ptr + N.to(tl.int64) * stride_wn + w_offs, mask=mw, other=0.0).to(tl.float32)
             acc_up += tl.sum(x[:, None, :] * w_up[None, :, :], axis=2)
-    out = _epilogue(acc, acc_up, b_ptr, out_ptr, offs_n, mask_n, N, HAS_BIAS, ACT, GATED)
-    mo = mask_m[:, None] & mask_n[None, :]
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=mo)
-    if STORE_KV:
-        _store_k_and_v(out, offs_m, offs_n, mask_m, mo, slot_ptr, k_cache_ptr, v_cache_ptr, kv_width)
-
-
-@lazy_jit.helper
-def _epilogue(acc, acc_up, b_ptr, out_ptr, offs_n, mask_n, N, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-              GATED: tl.constexpr):
-    # A GEMM's [BM, BN] fp32 product -> out_ptr's dtype: bias, then ACT (0 none, 1 gelu (erf),
-    # 2 gelu (tanh), 3 relu); GATED: acc_up is the product of the up half (weight rows N + n).
-    # Shared by the skinny GEMV and the tile GEMM (kernels/tile_gemm.py).
-    act_dtype = out_ptr.dtype.element_ty
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         if GATED:
@@ -138,20 +124,16 @@ def _epilogue(acc, acc_up, b_ptr, out_ptr, offs_n, mask_n, N, HAS_BIAS: tl.const
         if GATED:
             g = g * acc_up.to(act_dtype).to(tl.float32)
         acc = g
-    return acc.to(act_dtype)
-
-
-@lazy_jit.helper
-def _store_k_and_v(out, offs_m, offs_n, mask_m, mo, slot_ptr, k_cache_ptr, v_cache_ptr, kv_width):
-    # out [BM, BN] is a block of a q|k|v product, kv_width wide each: its k and v columns go to
-    # the contiguous [blocks, tokens_per_block, heads, head_dim] caches at each row's slot
-    # (< 0: nowhere); mo masks the block's valid elements.
-    slot = tl.load(slot_ptr + offs_m, mask=mask_m, other=-1).to(tl.int64)             # [BM]
-    dst = slot[:, None] * kv_width + (offs_n % kv_width)[None, :]
-    live = mo & (slot >= 0)[:, None]
-    is_k = (offs_n >= kv_width) & (offs_n < 2 * kv_width)
-    tl.store(k_cache_ptr + dst, out.to(k_cache_ptr.dtype.element_ty), mask=live & is_k[None, :])
-    tl.store(v_cache_ptr + dst, out.to(v_cache_ptr.dtype.element_ty), mask=live & (offs_n >= 2 * kv_width)[None, :])
+    out = acc.to(out_ptr.dtype.element_ty)
+    mo = mask_m[:, None] & mask_n[None, :]
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=mo)
+    if STORE_KV:
+        slot = tl.load(slot_ptr + offs_m, mask=mask_m, other=-1).to(tl.int64)             # [BM]
+        dst = slot[:, None] * kv_width + (offs_n % kv_width)[None, :]
+        live = mo & (slot >= 0)[:, None]
+        is_k = (offs_n >= kv_width) & (offs_n < 2 * kv_width)
+        tl.store(k_cache_ptr + dst, out.to(k_cache_ptr.dtype.element_ty), mask=live & is_k[None, :])
+        tl.store(v_cache_ptr + dst, out.to(v_cache_ptr.dtype.element_ty), mask=live & (offs_n >= 2 * kv_width)[None, :])
 
 
 ACTIVATIONS = {None: 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
@@ -220,62 +202,6 @@ def launch_config(rows: int, n: int, k: int) -> tuple[int, int, int]:
     return block_n, block_k, 4
 
 
-def fused_linear_ref(x: torch.Tensor | Prologue, weight: torch.Tensor, bias: torch.Tensor | None,
-                     act: str | None, gated: bool, kv_store: tuple | None) -> torch.Tensor:
-    """What ``skinny_linear`` / ``tile_linear`` compute, by the torch references (their
-    fallback where the kernel cannot run)."""
-    y = activation_ref(skinny_linear_ref(x.materialize() if isinstance(x, Prologue) else x, weight, bias), act, gated)
-    if kv_store is not None:
-        q, k, v = y.reshape(-1, 3, y.shape[-1] // 3).unbind(1)
-        k_cache, v_cache, slots = kv_store
-        store_kv_ref(k.reshape(-1, *k_cache.shape[2:]), v.reshape(-1, *v_cache.shape[2:]), k_cache, v_cache, slots)
-    return y
-
-
-@dataclasses.dataclass
-class GemmOperands:
-    """A fused linear's launch operands, shared by the GEMV and the tile GEMM's wrappers: the
-    input as ``[rows, k]``, the residual stream in and out (the input itself when there is
-    none), the output ``[rows, n]`` (``n`` halved for a gated product), and the K/V caches
-    (the weight as a dummy pointer without a store)."""
-
-    n: int
-    k: int
-    x: torch.Tensor
-    res: torch.Tensor
-    res_out: torch.Tensor
-    out: torch.Tensor
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    slots: torch.Tensor
-    kv_width: int
-
-    @classmethod
-    def of(cls, pro: Prologue | None, src: torch.Tensor, weight: torch.Tensor, gated: bool,
-           kv_store: tuple | None) -> "GemmOperands":
-        rows = src.numel() // src.shape[-1]
-        n, k = weight.shape
-        if gated:
-            assert n % 2 == 0, f"a gated product needs an even number of weight rows, got {n}"
-            n //= 2
-        x2 = src.reshape(rows, k)
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
-        res = res_out = x2
-        if pro is not None and pro.residual is not None:
-            res = pro.residual.reshape(rows, k).contiguous()
-            res_out = pro.res_out.view(rows, k)
-        out = torch.empty((rows, n), dtype=src.dtype, device=src.device)
-        k_cache = v_cache = slots = weight
-        kv_width = 0
-        if kv_store is not None:
-            k_cache, v_cache, slots = kv_store
-            kv_width = n // 3
-            assert n % 3 == 0 and k_cache.is_contiguous() and v_cache.is_contiguous() and \
-                k_cache[0, 0].numel() == kv_width, "kv_store needs a q|k|v output and contiguous caches of its width"
-        return cls(n, k, x2, res, res_out, out, k_cache, v_cache, slots, kv_width)
-
-
 def skinny_linear(x: torch.Tensor | Prologue, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                   act: str | None = None, gated: bool = False, kv_store: tuple | None = None,
                   block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None
@@ -292,9 +218,24 @@ def skinny_linear(x: torch.Tensor | Prologue, weight: torch.Tensor, bias: torch.
     src = pro.x if pro is not None else x
     rows = src.numel() // src.shape[-1] if src.shape[-1] else 0
     if rows > MAX_ROWS or rows == 0 or not can_use_triton(src, weight) or weight.stride(-1) != 1:
-        return fused_linear_ref(x, weight, bias, act, gated, kv_store)
-    o = GemmOperands.of(pro, src, weight, gated, kv_store)
-    n, k = o.n, o.k
+        y = activation_ref(skinny_linear_ref(pro.materialize() if pro is not None else x, weight, bias), act, gated)
+        if kv_store is not None:
+            q, k, v = y.reshape(-1, 3, y.shape[-1] // 3).unbind(1)
+            k_cache, v_cache, slots = kv_store
+            store_kv_ref(k.reshape(-1, *k_cache.shape[2:]), v.reshape(-1, *v_cache.shape[2:]), k_cache, v_cache, slots)
+        return y
+    n, k = weight.shape
+    if gated:
+        assert n % 2 == 0, f"a gated product needs an even number of weight rows, got {n}"
+        n //= 2
+    x2 = src.reshape(rows, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    res = res_out = x2
+    if pro is not None and pro.residual is not None:
+        res = pro.residual.reshape(rows, k).contiguous()
+        res_out = pro.res_out.view(rows, k)
+    out = torch.empty((rows, n), dtype=src.dtype, device=src.device)
     block_m = max(1, 1 << (rows - 1).bit_length())
     default_n, default_k, default_warps = launch_config(rows, n, k)
     block_n, block_k, num_warps = block_n or default_n, block_k or default_k, num_warps or default_warps
@@ -303,14 +244,21 @@ def skinny_linear(x: torch.Tensor | Prologue, weight: torch.Tensor, bias: torch.
     nw = pro.norm_weight if norm else weight
     nb = pro.norm_bias if norm and pro.norm_bias is not None else weight
     stats = min(1 << (k - 1).bit_length(), 4096 // block_m) if norm else 1
-    _skinny_gemm_kernel[grid](o.x, weight, bias if bias is not None else weight, o.out, o.res, nw, nb, o.res_out,
-                              o.k_cache, o.v_cache, o.slots,
-                              rows, n, k, o.x.stride(0), weight.stride(0), o.out.stride(0), o.res.stride(0),
-                              o.res_out.stride(0), float(pro.eps) if pro is not None else 0.0, o.kv_width,
+    k_cache = v_cache = slots = weight
+    kv_width = 0
+    if kv_store is not None:
+        k_cache, v_cache, slots = kv_store
+        kv_width = n // 3
+        assert n % 3 == 0 and k_cache.is_contiguous() and v_cache.is_contiguous() and \
+            k_cache[0, 0].numel() == kv_width, "kv_store needs a q|k|v output and contiguous caches of its width"
+    _skinny_gemm_kernel[grid](x2, weight, bias if bias is not None else weight, out, res, nw, nb, res_out,
+                              k_cache, v_cache, slots,
+                              rows, n, k, x2.stride(0), weight.stride(0), out.stride(0), res.stride(0),
+                              res_out.stride(0), float(pro.eps) if pro is not None else 0.0, kv_width,
                               BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
                               NORM=norm, HAS_RES=bool(norm) and pro.residual is not None,
                               NORM_BIAS=bool(norm) and pro.norm_bias is not None, STATS_BLOCK=stats,
                               ONE_PASS=stats >= k,
                               ACT=ACTIVATIONS[act], GATED=gated, STORE_KV=kv_store is not None,
                               num_warps=num_warps)
-    return o.out.view(*src.shape[:-1], n)
+    return out.view(*src.shape[:-1], n)

@@ -154,13 +154,10 @@ def test_tuning_from_yaml_and_env_overrides_land_in_the_args(tmp_path, monkeypat
     monkeypatch.setenv("ENC2DEC_ENCODER_JOIN_STEPS", "4")
     monkeypatch.setenv("ENC2DEC_CPU_GREEDY_HEAD", "0")
     monkeypatch.setenv("ENC2DEC_CROSS_KV_HEAD_MAJOR", "0")
-    monkeypatch.setenv("ENC2DEC_TILE_GEMM", "1")
-    monkeypatch.setenv("ENC2DEC_TILE_GEMM_ENCODER", "1")
     tuning = dataclasses.asdict(LlmArgs.from_yaml(str(path)))["tuning"]     # what reports record
     assert tuning == {"skinny_gemm": False, "fused_gemv": False, "attn_min_keys_per_split": 256,
                       "tp_timeout_s": 30.0, "encoder_tokens_while_decoding": 3000, "encoder_beside_decoder": False,
-                      "encoder_join_steps": 4, "cross_kv_head_major": False, "tile_gemm": True,
-                      "tile_gemm_encoder": True, "cpu_greedy_head": False}
+                      "encoder_join_steps": 4, "cross_kv_head_major": False, "cpu_greedy_head": False}
     monkeypatch.setenv("ENC2DEC_FUSED_GEMV", "off")
     with pytest.raises(ValueError, match=r"ENC2DEC_FUSED_GEMV='off' \(tuning.fused_gemv\) is not valid"):
         LlmArgs()
@@ -234,4 +231,4 @@ def test_bench_report_records_the_tuning_in_effect(tmp_path, monkeypatch):
     assert json.loads(out.read_text())["engine_args"]["tuning"] == {
         "skinny_gemm": True, "fused_gemv": False, "attn_min_keys_per_split": 64, "tp_timeout_s": 600.0,
         "encoder_tokens_while_decoding": 0, "encoder_beside_decoder": True, "encoder_join_steps": 0, "cross_kv_head_major": True,
-        "tile_gemm": False, "tile_gemm_encoder": False, "cpu_greedy_head": True}
+        "cpu_greedy_head": True}

@@ -354,15 +354,14 @@ def _fused_case(name, rows, n, k, dtype, g):
     return make, w, b, dict(act=act[0], gated=act[1]) if act else {}
 
 
-def check_fused(name, rows, n, k, dtype, exact_residual=False, linear=skinny_linear):
+def check_fused(name, rows, n, k, dtype, exact_residual=False):
     """A deferred norm (+ residual add) and an output activation (gated: act(gate) * up)
-    computed inside the GEMV (``linear``: or the tile GEMM) give what the separate kernels
-    around the product give, and the whole new residual is written (bit for bit with
-    ``exact_residual``)."""
+    computed inside the GEMV give what the separate kernels around the product give, and the
+    whole new residual is written (bit for bit with ``exact_residual``)."""
     g = torch.Generator().manual_seed(rows * 7 + k)
     make, w, b, act = _fused_case(name, rows, n, k, dtype, g)
     fused, unfused = make(), make()
-    got = linear(fused, w, b, **act)
+    got = skinny_linear(fused, w, b, **act)
     inputs = unfused.materialize() if isinstance(unfused, Prologue) else unfused
     expected = ref.skinny_linear_ref(inputs.float(), w.float(), b.float())
     if act:
@@ -383,10 +382,9 @@ def test_skinny_linear_fuses_the_norm_before_it_and_the_activation_after_it(name
     check_fused(name, rows, n, k, dtype)             # (the interpreter rounds bf16 down: residual compared closely)
 
 
-def check_qkv_store(rows, slots, dtype, heads=3, head_dim=5, d=70, blocks=3, tpb=4, linear=skinny_linear):
-    """The q|k|v projection with ``kv_store`` (``linear``: the GEMV or the tile GEMM) returns
-    the product and writes its k and v thirds at each row's slot (a negative slot nowhere),
-    exactly as ``store_kv`` after it."""
+def check_qkv_store(rows, slots, dtype, heads=3, head_dim=5, d=70, blocks=3, tpb=4):
+    """The q|k|v projection with ``kv_store`` returns the product and writes its k and v
+    thirds at each row's slot (a negative slot nowhere), exactly as ``store_kv`` after it."""
     g = torch.Generator().manual_seed(rows + d)
     x = torch.randn(rows, d, generator=g).to(DEVICE, dtype)
     w = (torch.randn(3 * heads * head_dim, d, generator=g) / d ** 0.5).to(DEVICE, dtype)
@@ -394,7 +392,7 @@ def check_qkv_store(rows, slots, dtype, heads=3, head_dim=5, d=70, blocks=3, tpb
     slot_mapping = torch.tensor(slots, dtype=torch.long, device=DEVICE)
     caches = [torch.randn(blocks, tpb, heads, head_dim, generator=g).to(DEVICE, dtype) for _ in range(2)]
     want_k, want_v = (c.clone() for c in caches)
-    got = linear(x, w, b, kv_store=(caches[0], caches[1], slot_mapping))
+    got = skinny_linear(x, w, b, kv_store=(caches[0], caches[1], slot_mapping))
     expected = ref.skinny_linear_ref(x.float(), w.float(), b.float()).to(dtype)
     assert_close(got, expected, dtype)
     _, k, v = got.view(rows, 3, heads, head_dim).unbind(1)

@@ -15,20 +15,11 @@ With ``fuse``, three more launches per layer ride in the GEMV on one-row calls
   norms may is decided here from the layer structure (``GEMV_FED_NORMS``), not guessed;
 - an MLP's activation (gated: ``act(gate) * up``) is the epilogue of its first GEMV;
 - decoder self-attention's q|k|v GEMV writes k and v into the paged cache.
-
-With ``tile_rows`` (``tuning.tile_gemm``, experimental, off), the decoder layers' calls of 2 to
-``tile_rows`` rows take the same fusions through the tile GEMM (``kernels/tile_gemm.py``, tensor
-cores): an RMSNorm folded into the product after it, the activation, the K/V store. LayerNorms
-do not fold there (the kernel's docstring says why) and stay their own kernels; plain
-projections keep the library GEMM. With ``encoder_tile`` (``tuning.tile_gemm_encoder``,
-experimental, off) the encoder layers' MLPs do their first projection and activation in one
-tile GEMM (Whisper's erf-GELU, which cuBLASLt's epilogue does not have).
 """
 from __future__ import annotations
 
 import functools
 import logging
-import math
 
 import torch
 import torch.nn.functional as F
@@ -39,8 +30,6 @@ from enc2dec.engine.models.layers import (DenseMLP, GatedMLP, LayerNorm, MergedL
                                           SelfAttention, gelu_tanh)
 from enc2dec.engine.models.t5 import T5Layer
 from enc2dec.kernels.skinny_gemm import Prologue, skinny_linear      # triton itself loads at the first launch
-from enc2dec.kernels.tile_gemm import DECODE_ROWS as TILE_MAX_ROWS
-from enc2dec.kernels.tile_gemm import tile_linear
 
 logger = logging.getLogger("enc2dec")
 
@@ -61,9 +50,6 @@ GEMV_FED_NORMS = {
     BartDecoderLayer: ("self_attn_layer_norm", "encoder_attn_layer_norm", "final_layer_norm"),
 }
 
-# An encoder MLP with tuning.tile_gemm_encoder takes every call of several rows (a batch of clips).
-ENCODER_TILE_ROWS = 1 << 40
-
 # Activations the skinny GEMV can apply to its output (kernels/skinny_gemm.py).
 _GEMV_ACTS = {F.relu: "relu", F.gelu: "gelu", gelu_tanh: "gelu_tanh"}
 
@@ -73,19 +59,9 @@ def _one_row(x: torch.Tensor | Prologue) -> bool:
     return len(shape) >= 1 and shape[-1] > 0 and all(d == 1 for d in shape[:-1])
 
 
-def _tiled(module: nn.Module, x: torch.Tensor | Prologue) -> bool:
-    """A call of several rows that the tile GEMM takes (``module.tile_rows``: 0 unless
-    ``use_skinny_linear`` set it on a decoder layer's module or an encoder layer's MLP)."""
-    shape = x.shape
-    return len(shape) >= 1 and shape[-1] > 0 and 1 < math.prod(shape[:-1]) <= module.tile_rows
-
-
 def linear(x: torch.Tensor | Prologue, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` that sends single-row inputs and one-row deferred norms to the GEMV kernel,
-    deferred norms of several rows to the tile GEMM."""
-    if isinstance(x, Prologue):
-        return skinny_linear(x, weight, bias) if _one_row(x) else tile_linear(x, weight, bias)
-    if x.shape[-1] and x.numel() // x.shape[-1] <= DISPATCH_ROWS:
+    """``F.linear`` that sends single-row inputs (and deferred norms) to the GEMV kernel."""
+    if isinstance(x, Prologue) or (x.shape[-1] and x.numel() // x.shape[-1] <= DISPATCH_ROWS):
         return skinny_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -111,25 +87,19 @@ _SKINNY_CLASSES = {nn.Linear: SkinnyLinear, MergedLinear: SkinnyMergedLinear,
 
 class DeferredNorm:
     """Mixed in before a norm class: a one-row call (not float16, whose residual stream needs
-    transformers' clamp between the add and the norm) returns the norm as a ``Prologue``; so
-    does an RMSNorm's call of several rows that the tile GEMM takes."""
-
-    tile_rows = 0
+    transformers' clamp between the add and the norm) returns the norm as a ``Prologue``."""
 
     def _prologue(self, x: torch.Tensor, residual: torch.Tensor | None) -> Prologue:
         return Prologue(x, residual, norm="rms" if isinstance(self, RMSNorm) else "layer", norm_weight=self.weight,
                         norm_bias=getattr(self, "bias", None), eps=self.eps)
 
-    def _defers(self, x: torch.Tensor) -> bool:
-        return x.dtype != torch.float16 and (_one_row(x) or (isinstance(self, RMSNorm) and _tiled(self, x)))
-
     def forward(self, x: torch.Tensor) -> torch.Tensor | Prologue:
-        if self._defers(x):
+        if x.dtype != torch.float16 and _one_row(x):
             return self._prologue(x, None)
         return super().forward(x)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor):
-        if self._defers(x):
+        if x.dtype != torch.float16 and _one_row(x):
             pro = self._prologue(x, residual)
             return pro, pro.res_out
         return super().add_forward(x, residual)
@@ -137,33 +107,25 @@ class DeferredNorm:
 
 class ActInGemv:
     """Mixed in before ``DenseMLP`` / ``GatedMLP``: on one-row calls the activation (gated:
-    ``act(gate) * up``) is the epilogue of the first projection's GEMV (of the tile GEMM on
-    the calls it takes)."""
-
-    tile_rows = 0
+    ``act(gate) * up``) is the epilogue of the first projection's GEMV."""
 
     def forward(self, x: torch.Tensor | Prologue) -> torch.Tensor:
-        kernel = skinny_linear if _one_row(x) else tile_linear if _tiled(self, x) else None
-        if kernel is None or self.act not in _GEMV_ACTS:
+        if not (_one_row(x) and self.act in _GEMV_ACTS):
             return super().forward(x)
         if isinstance(self, GatedMLP):
-            return self.fc2(kernel(x, self.gate_up.weight, None, act=_GEMV_ACTS[self.act], gated=True))
-        return self.fc2(kernel(x, self.fc1.weight, self.fc1.bias, act=_GEMV_ACTS[self.act]))
+            return self.fc2(skinny_linear(x, self.gate_up.weight, None, act=_GEMV_ACTS[self.act], gated=True))
+        return self.fc2(skinny_linear(x, self.fc1.weight, self.fc1.bias, act=_GEMV_ACTS[self.act]))
 
 
 class StoreInGemv(SelfAttention):
-    """Decoder self-attention whose one-row q|k|v GEMV (or tile GEMM, on the calls it takes)
-    also writes k and v into the cache."""
-
-    tile_rows = 0
+    """Decoder self-attention whose one-row q|k|v GEMV also writes k and v into the cache."""
 
     def decode(self, x, meta, kv, bias_table=None):
-        kernel = skinny_linear if _one_row(x) else tile_linear if _tiled(self, x) else None
         # An FP8 pool quantises in the store kernel, which the GEMV epilogue does not do.
-        if not (kernel is not None and kv.scales is None and kv.k.is_contiguous() and kv.v.is_contiguous()):
+        if not (_one_row(x) and kv.scales is None and kv.k.is_contiguous() and kv.v.is_contiguous()):
             return super().decode(x, meta, kv, bias_table)
-        qkv = kernel(x, self.qkv.weight, self.qkv.bias, kv_store=(kv.k, kv.v, meta.slot_mapping))
-        q = qkv.view(-1, 3, self.num_heads, self.head_dim)[:, 0]                 # [T, H, D]
+        qkv = skinny_linear(x, self.qkv.weight, self.qkv.bias, kv_store=(kv.k, kv.v, meta.slot_mapping))
+        q = qkv.view(1, 3, self.num_heads, self.head_dim)[:, 0]                  # [1, H, D]
         o = self.backend.self_attention(q, kv.k, kv.v, meta, self.scale, bias_table)
         return self.out_proj(o.reshape(x.shape[0], -1))
 
@@ -174,19 +136,8 @@ def _mixed(mixin: type, cls: type) -> type:
     return type(f"{mixin.__name__}{cls.__name__}", (mixin, cls), {})
 
 
-def _decoder_layer(module: nn.Module) -> bool:
-    return hasattr(module, "encoder_attn")
-
-
 def _fused_modules(model: nn.Module):
-    """(module, fused class, whether it sits in a decoder layer) for every fusion the model's
-    structure allows."""
-    decoder_parts = {id(part) for layer in model.modules() if _decoder_layer(layer) for part in layer.modules()}
-    for module, cls in _fusions(model):
-        yield module, cls, id(module) in decoder_parts
-
-
-def _fusions(model: nn.Module):
+    """(module, fused class) for every fusion the model's structure allows."""
     for module in model.modules():
         if isinstance(module, (DenseMLP, GatedMLP)) and not isinstance(module, ActInGemv):
             first = module.gate_up if isinstance(module, GatedMLP) else module.fc1
@@ -200,33 +151,20 @@ def _fusions(model: nn.Module):
                 yield norm, _mixed(DeferredNorm, type(norm))
 
 
-def use_skinny_linear(model: nn.Module, fuse: bool = True, tile_rows: int = 0, encoder_tile: bool = False) -> int:
+def use_skinny_linear(model: nn.Module, fuse: bool = True) -> int:
     """Swap the classes of the model's plain linear layers (and, with ``fuse``, of the modules
-    whose work rides in their GEMV; with ``tile_rows`` > 0 the decoder layers' fusions also
-    take calls of up to that many rows through the tile GEMM; with ``encoder_tile`` the encoder
-    layers' MLPs run their first projection and activation as one tile GEMM at any number of
-    rows); returns how many linear layers."""
-    assert 0 <= tile_rows <= TILE_MAX_ROWS, f"tile_rows must be within 0..{TILE_MAX_ROWS}, got {tile_rows}"
-    count = fused = tiled = 0
+    whose work rides in their GEMV); returns how many linear layers."""
+    count = fused = 0
     for module in model.modules():
         cls = _SKINNY_CLASSES.get(getattr(type(module), "plain_class", type(module)))
         if cls is not None:
             module.__class__ = cls
             count += 1
-    for module, cls, in_decoder in list(_fused_modules(model)) if fuse else ():
+    for module, cls in list(_fused_modules(model)) if fuse else ():
         module.__class__ = cls
         fused += 1
-        if tile_rows and in_decoder:
-            module.tile_rows = tile_rows
-            tiled += 1
-        elif encoder_tile and not in_decoder and isinstance(module, ActInGemv):
-            module.tile_rows = ENCODER_TILE_ROWS
-            tiled += 1
     logger.info("skinny GEMV kernel on %d linear layers for steps of %d row(s); %d norms, activations "
-                "and K/V stores ride in it%s", count, DISPATCH_ROWS, fused,
-                f", {tiled} of them also in the tile GEMM ("
-                + ", ".join([f"decoder steps of 2-{tile_rows} rows"] * bool(tile_rows) + ["encoder MLPs"] * encoder_tile)
-                + ")" if tiled else "")
+                "and K/V stores ride in it", count, DISPATCH_ROWS, fused)
     return count
 
 
