@@ -28,6 +28,7 @@ from typing import Any
 
 from enc2dec.engine.config import LlmArgs
 from enc2dec.engine.engine_process import EngineProcessError, ProcessLLM
+from enc2dec.engine.lifecycle import ShutdownOnExit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +111,7 @@ class _Replica:
         self.num_routed += len(handles)
 
 
-class DataParallelLLM:
+class DataParallelLLM(ShutdownOnExit):
     """``LLM`` over ``data_parallel_size`` engine processes (see the module docstring)."""
 
     def __init__(self, args: LlmArgs):
@@ -314,16 +315,3 @@ class DataParallelLLM:
             t.start()
         for t in threads:
             t.join()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.shutdown()
-
-    def __del__(self):
-        try:
-            if hasattr(self, "_replicas"):
-                self.shutdown()
-        except Exception:  # noqa: BLE001 - interpreter teardown
-            pass

@@ -44,6 +44,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from enc2dec.engine.config import LlmArgs
+from enc2dec.engine.lifecycle import ShutdownOnExit
 from enc2dec.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 START_TIMEOUT_S = 3600.0      # loading a large checkpoint from a slow disk can take minutes
@@ -448,7 +449,7 @@ class _Stream:
         return RequestOutput(rid, self.prompt, self.prompt_token_ids, outs, finished, m, error)
 
 
-class ProcessLLM:
+class ProcessLLM(ShutdownOnExit):
     """``LLM`` with its engine in a child process (``LlmArgs.engine_process=True``)."""
 
     # What the child runs: ``(args, conn, env, num_threads)``. A lab script measuring the API side
@@ -624,18 +625,6 @@ class ProcessLLM:
         self._reader.join(SHUTDOWN_TIMEOUT_S)
         self._fail_all("engine shut down")
         self._conn.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.shutdown()
-
-    def __del__(self):
-        try:
-            self.shutdown()
-        except Exception:  # noqa: BLE001 - interpreter teardown
-            pass
 
     # ---- the wire -------------------------------------------------------------------------------
     def _check_open(self) -> None:

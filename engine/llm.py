@@ -15,6 +15,7 @@ from typing import Any, Iterable
 
 from enc2dec.engine.config import LlmArgs
 from enc2dec.engine.engine_core import EngineCore
+from enc2dec.engine.lifecycle import ShutdownOnExit
 from enc2dec.engine.outputs import RequestOutput
 from enc2dec.engine.runner.cpu_threads import release_thread_pool
 from enc2dec.engine.sampling_params import SamplingParams
@@ -108,7 +109,7 @@ class RequestHandle:
                 self._waiters.remove((loop, event))
 
 
-class LLM:
+class LLM(ShutdownOnExit):
     """Encoder-decoder LLM. ``LLM(model, **options)``; options are ``LlmArgs`` fields.
     ``engine_process=True`` gives a ``ProcessLLM`` (the same surface, the engine in a child process);
     ``data_parallel_size=N > 1`` a ``DataParallelLLM`` (N of those behind one front)."""
@@ -235,18 +236,6 @@ class LLM:
         self._wake.set()
         self._thread.join(timeout=30)
         self._core.shutdown()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.shutdown()
-
-    def __del__(self):
-        try:
-            self.shutdown()
-        except Exception:  # noqa: BLE001 - interpreter teardown
-            pass
 
     # ---- the caller's thread ----------------------------------------------------------------
     def _release_caller_pool(self) -> None:
