@@ -17,6 +17,7 @@ each row into chunks, one program each, and merges per-chunk partials between pa
 from __future__ import annotations
 
 import functools
+import math
 import threading
 
 import torch
@@ -311,8 +312,12 @@ def _split_finish_kernel(scores_ptr, top_p_ptr, min_p_ptr, max_ptr, seeded_ptr, 
 
 
 def _int64_rows(keys: torch.Tensor) -> torch.Tensor:
+    # Contiguous rows from a 16-byte boundary: Triton specialises a pointer on that alignment,
+    # so a slice like keys[1:] would compile another variant of the kernel at its first launch.
     keys = keys.long()
-    return keys if keys.stride(-1) == 1 else keys.contiguous()
+    if keys.stride(-1) == 1 and keys.data_ptr() % 16 == 0:
+        return keys
+    return keys.clone(memory_format=torch.contiguous_format)
 
 
 def gumbel_race(scores: torch.Tensor, seeded_keys: torch.Tensor, fresh_keys: torch.Tensor | None = None,
@@ -426,11 +431,24 @@ def _split_scratch(rows: int, splits: int, rounds: int, dev: torch.device) -> tu
             cache.clear()
         buffers = cache[key] = (
             torch.empty(rows, splits, dtype=torch.float32, device=dev),
-            torch.empty(rounds + 1, rows, splits, 2, dtype=torch.float32, device=dev),   # (mass, race value)
-            torch.empty(rounds + 1, rows, splits, dtype=torch.int32, device=dev),        # chunk winner
-            torch.empty(rounds + 1, rows, 2, dtype=torch.float32, device=dev),           # (winner's score, top-k mass)
-            torch.empty(rounds + 1, rows, 2, dtype=torch.int32, device=dev))             # (winner, done)
+            _per_round(rounds, (rows, splits, 2), torch.float32, dev),   # (mass, race value)
+            _per_round(rounds, (rows, splits), torch.int32, dev),        # chunk winner
+            _per_round(rounds, (rows, 2), torch.float32, dev),           # (winner's score, top-k mass)
+            _per_round(rounds, (rows, 2), torch.int32, dev))             # (winner, done)
     return buffers
+
+
+def _per_round(rounds: int, shape: tuple[int, ...], dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
+    """[rounds + 1, *shape], each [r] contiguous and starting on a 16-byte boundary (its slab
+    padded): Triton specialises a pointer argument on that alignment, so with unpadded slabs
+    a batch of a new size (63 rows puts [1] at 504 bytes) compiled another variant of the round
+    kernels at its first sampled step, a 0.3-0.4 s stall of every running request (H100,
+    docs/benchmarks.md session 29)."""
+    inner = [1]
+    for size in reversed(shape[1:]):
+        inner.insert(0, inner[0] * size)
+    per = -(-math.prod(shape) * dtype.itemsize // 16) * 16 // dtype.itemsize
+    return torch.empty((rounds + 1) * per, dtype=dtype, device=dev).as_strided((rounds + 1, *shape), (per, *inner))
 
 
 def _split_filtered_race(scores, floor, top_p, min_p, seeded, fresh, out, num_seeded, block, splits):

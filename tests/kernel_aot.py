@@ -13,7 +13,6 @@ which the test session sets) replaces triton.language's own jit functions at imp
 """
 from __future__ import annotations
 
-import contextlib
 import inspect
 import os
 import sys
@@ -26,39 +25,11 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from enc2dec.kernels import lazy_jit  # noqa: E402
+from launch_recorder import recorded  # noqa: E402 (tests/, the script's folder, is on sys.path)
 
 SMEM_LIMIT = 227 * 1024          # an H100's (and H200's) shared memory a block may use
 TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.float8_e4m3fn: "*fp8e4nv",
          torch.int32: "*i32", torch.int64: "*i64", torch.uint8: "*u8"}
-
-
-class _Recorder:
-    def __init__(self, name, kernel, launches):
-        self.name, self.kernel, self.launches = name, kernel, launches
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.launches.append((self.name, self.kernel, args, kwargs))
-        return launch
-
-
-@contextlib.contextmanager
-def recorded(module):
-    """The module's ``lazy_jit`` kernels record their launches into the yielded list, and its
-    ops take the Triton path on CPU tensors."""
-    launches = []
-    saved = dict(vars(module))
-    for name, value in saved.items():
-        if isinstance(value, lazy_jit):
-            setattr(module, name, _Recorder(name, value, launches))
-    module.can_use_triton = lambda *tensors: True
-    try:
-        yield launches
-    finally:
-        for name in [n for n in vars(module) if n not in saved]:
-            delattr(module, name)
-        for name, value in saved.items():
-            setattr(module, name, value)
 
 
 def compile_launch(kernel: lazy_jit, args, kwargs):
