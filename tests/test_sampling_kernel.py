@@ -319,7 +319,7 @@ def test_a_sampled_batch_of_any_size_launches_the_kernel_variants_already_compil
     # Triton compiles a kernel once per specialisation, and a pointer argument's is its 16-byte
     # alignment: a batch size that shifted a scratch slice off that boundary compiled new round
     # kernels at its first sampled step, a 0.3-0.4 s stall of every running request. Every
-    # pointer the split race passes is aligned, whatever the rows and seeded rows.
+    # pointer the races pass is aligned, whatever the rows and seeded rows.
     from launch_recorder import recorded
 
     vocab, block, splits = 300, 32, 4
@@ -328,11 +328,14 @@ def test_a_sampled_batch_of_any_size_launches_the_kernel_variants_already_compil
         top_p, min_p = torch.full((rows,), 0.9), torch.zeros(rows)
         floor = torch.full((rows,), -float("inf"))
         keys = keys_of(rows, seed=rows)
+        seeded, fresh = keys[:num_seeded], keys[num_seeded:]
         with recorded(sampling) as launches:
-            sampling.filtered_race(scores, floor, top_p, min_p, keys[:num_seeded], keys[num_seeded:],
-                                   block=block, splits=splits)
+            sampling.filtered_race(scores, floor, top_p, min_p, seeded, fresh, block=block, splits=splits)
+            sampling.filtered_race(scores, floor, top_p, min_p, seeded, fresh, block=block, splits=1)
+            sampling.gumbel_race(scores, seeded, fresh, block=block)
         names = {name for name, *_ in launches}
-        assert {"_split_floor_kernel", "_split_round_kernel", "_split_finish_kernel"} <= names, names
+        assert {"_split_floor_kernel", "_split_round_kernel", "_split_finish_kernel", "_filtered_race_kernel",
+                "_gumbel_race_kernel"} <= names, names
         for name, _, args, _ in launches:
             offsets = [a.data_ptr() % 16 for a in args if isinstance(a, torch.Tensor)]
             assert not any(offsets), (rows, num_seeded, name, offsets)
