@@ -444,11 +444,9 @@ def _per_round(rounds: int, shape: tuple[int, ...], dtype: torch.dtype, dev: tor
     a batch of a new size (63 rows puts [1] at 504 bytes) compiled another variant of the round
     kernels at its first sampled step, a 0.3-0.4 s stall of every running request (H100,
     docs/benchmarks.md session 29)."""
-    inner = [1]
-    for size in reversed(shape[1:]):
-        inner.insert(0, inner[0] * size)
-    per = -(-math.prod(shape) * dtype.itemsize // 16) * 16 // dtype.itemsize
-    return torch.empty((rounds + 1) * per, dtype=dtype, device=dev).as_strided((rounds + 1, *shape), (per, *inner))
+    size = math.prod(shape)
+    per = -(-size * dtype.itemsize // 16) * 16 // dtype.itemsize
+    return torch.empty(rounds + 1, per, dtype=dtype, device=dev)[:, :size].view(rounds + 1, *shape)
 
 
 def _split_filtered_race(scores, floor, top_p, min_p, seeded, fresh, out, num_seeded, block, splits):
