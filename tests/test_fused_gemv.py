@@ -21,22 +21,6 @@ def _request(family):
     return "the quick brown fox jumps over"
 
 
-def spy_fusions(monkeypatch, kernel_name):
-    """Wrap fast_linear's ``kernel_name``: the returned list collects the fusions its calls carry
-    (the deferred norm's kind, the activation, "kv store")."""
-    kinds = []
-    kernel = getattr(fast_linear, kernel_name)
-
-    def spy(x, *args, **kwargs):
-        kinds.extend([x.norm] if isinstance(x, Prologue) else [])
-        kinds.extend([kwargs["act"]] if kwargs.get("act") else [])
-        kinds.extend(["kv store"] if kwargs.get("kv_store") else [])
-        return kernel(x, *args, **kwargs)
-
-    monkeypatch.setattr(fast_linear, kernel_name, spy)
-    return kinds
-
-
 @pytest.mark.parametrize("family", ["t5_relu", "flan_t5", "bart", "mbart", "whisper"])
 def test_fused_norms_and_activations_decode_the_same_tokens(family, request, monkeypatch):
     path = request.getfixturevalue(family)
@@ -48,7 +32,16 @@ def test_fused_norms_and_activations_decode_the_same_tokens(family, request, mon
              kv_cache_config=KvCacheConfig(cross_kv_cache_fraction=0.5, tokens_per_block=4)) as llm:
         plain = llm.generate(_request(family), params, use_tqdm=False).outputs[0].token_ids
         fast_linear.use_skinny_linear(llm.engine.runner.model, fuse=True)
-        kinds = spy_fusions(monkeypatch, "skinny_linear")        # projections, MLPs' first GEMV, q|k|v + store
+        kinds = []
+        kernel = fast_linear.skinny_linear
+
+        def spy(x, *args, **kwargs):
+            kinds.extend([x.norm] if isinstance(x, Prologue) else [])
+            kinds.extend([kwargs["act"]] if kwargs.get("act") else [])
+            kinds.extend(["kv store"] if kwargs.get("kv_store") else [])
+            return kernel(x, *args, **kwargs)
+
+        monkeypatch.setattr(fast_linear, "skinny_linear", spy)       # projections, MLPs' first GEMV, q|k|v + store
         fused = llm.generate(_request(family), params, use_tqdm=False).outputs[0].token_ids
     assert fused == plain
     expected = {"t5_relu": {"rms", "relu"}, "flan_t5": {"rms", "gelu_tanh"}, "bart": {"gelu"},  # post-norm: no norms
