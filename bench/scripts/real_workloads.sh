@@ -26,10 +26,12 @@
 #            same runs with bf16 KV (wh-plain, t5-greedy: run those sections in the same call)
 #   desync-ab flan-t5-large and whisper-large-v3 with lengths spread, the encoder beside the decoder
 #            (ENC2DEC_ENCODER_BESIDE_DECODER=1, experimental) against the encoder inside the step
-#   turbo-ab, wh-ab, bart-ab  turbo (whisper-large-v3) once per AB entry (NAME:VAR=v,--flag=v: tuning variables
-#            and extra bench flags for that run), each against turbo-hfc's (wh-plain's) enc2dec figure of the same call;
-#            fp8-ab: whisper-large-v3 with --kv-cache-dtype fp8 the same way, against fp8's wh-fp8;
-#            t5-ab: flan-t5-large greedy the same way, against greedy's t5-greedy
+#   turbo-ab, wh-ab  turbo (whisper-large-v3) once per AB entry (NAME:VAR=v,--flag=v: tuning
+#            variables and extra bench flags for that run), each against turbo-hfc's (wh-plain's)
+#            enc2dec figure of the same call; fp8-ab: whisper-large-v3 with --kv-cache-dtype fp8 the
+#            same way, against fp8's wh-fp8; t5-ab: flan-t5-large greedy the same way, against
+#            greedy's t5-greedy; bart-ab: bart-large-cnn 384/128 at C=128 (issue 19's row) the same
+#            way, no reference run (compare its entries in the summarize.py table)
 #   wh-rest  whisper-large-v3 --detect-language and 63 + 1 timestamped (the whisper section without plain and --timestamps, for a call that has run those)
 #   itl      the encoder budget of decoding steps (tuning.encoder_tokens_while_decoding): whisper-large-v3
 #            C=64 and bart-large-cnn 384/128 C=128, each with the default budget and with the old
@@ -181,9 +183,9 @@ for section in $SECTIONS; do
       run turbo-join$k-enc$b $LIMIT --model $WHT $COMMON $AUD --concurrency $C --num-requests $NUM
     done
     RUN_ENV= ;;
-  turbo-ab|wh-ab|fp8-ab|t5-ab|bart-ab)   # turbo (wh-ab: whisper-large-v3; fp8-ab: the same with FP8 KV; t5-ab:
-    # flan-t5-large greedy; bart-ab: bart-large-cnn 384/128 at C=128, issue 19's row) under tuning variables, against turbo-hfc / wh-plain / wh-fp8 / t5-greedy. AB: NAME:ITEM,ITEM entries, one run each;
-    # an item is VAR=v (the run's environment) or --flag=v (one more bench flag, e.g. --kv-cache-dtype=fp8)
+  turbo-ab|wh-ab|fp8-ab|t5-ab|bart-ab)   # one run per AB entry (see the header); AB: NAME:ITEM,ITEM
+    # entries, an item VAR=v (the run's environment) or --flag=v (one more bench flag, e.g.
+    # --kv-cache-dtype=fp8)
     for spec in ${AB:-j3:ENC2DEC_ENCODER_JOIN_STEPS=3}; do
       RUN_ENV= ab_args=()
       for item in $(tr , ' ' <<<"${spec#*:}"); do

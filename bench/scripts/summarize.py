@@ -1,7 +1,7 @@
-"""Print a short table from the JSON reports in a folder (used by gpu_check.sh, ab_patch.sh,
-stall_hunt.sh and tile_check.sh): out tok/s, TPOT, TTFT mean and p50 / p90 / p99 (a one-off stall
-shows in the tail), ITL p50 / p99 (issue 19's rule: p99 at most 3x p50), p99 E2E, failures, and the engine's step ms / decoder rows / share of the step spent waiting for
-the GPU where the report has them.
+"""Print a short table from the JSON reports in a folder (used by gpu_check.sh, ab_patch.sh and
+stall_hunt.sh): out tok/s, TPOT, TTFT mean and p50 / p90 / p99 (a one-off stall shows in the tail),
+ITL p50 / p99 (issue 19's rule: p99 at most 3x p50), p99 E2E, failures, and the engine's step ms /
+decoder rows / share of the step spent waiting for the GPU where the report has them.
 
     python bench/scripts/summarize.py REPORT_FOLDER
 """
