@@ -56,8 +56,17 @@ def _paged_attention_kernel(
     split = tl.program_id(2)
 
     # Sequence of this token: the smallest s with qsl[s + 1] > tok (num_seqs for padding).
-    lo = tok * 0
-    hi = lo + num_seqs
+    # A decode step feeds one token per sequence, so token tok is usually sequence tok: that
+    # guess is checked with loads that do not wait on each other, and only a wrong guess (a
+    # prefix, a recompute, padding) pays the binary search's chain of dependent loads, which
+    # is most of a short program's latency.
+    guess = tl.minimum(tok, num_seqs - 1)
+    g_start = tl.load(qsl_ptr + guess)
+    g_end = tl.load(qsl_ptr + guess + 1)
+    g_kv_len = tl.load(kv_lens_ptr + guess)
+    direct = (tok < num_seqs) & (g_start <= tok) & (tok < g_end)
+    lo = tl.where(direct, tok, 0)
+    hi = tl.where(direct, tok, num_seqs)
     for _ in range(num_search_steps):
         searching = lo < hi
         mid = (lo + hi) // 2
@@ -67,9 +76,9 @@ def _paged_attention_kernel(
         lo = tl.where(go_right, mid + 1, lo)
         hi = tl.where(go_left, mid, hi)
     seq = tl.minimum(lo, num_seqs - 1)
-    q_start = tl.load(qsl_ptr + seq)
-    q_end = tl.load(qsl_ptr + seq + 1)
-    seq_kv_len = tl.load(kv_lens_ptr + seq)
+    q_start = tl.where(direct, g_start, tl.load(qsl_ptr + seq, mask=~direct, other=0))
+    q_end = tl.where(direct, g_end, tl.load(qsl_ptr + seq + 1, mask=~direct, other=0))
+    seq_kv_len = tl.where(direct, g_kv_len, tl.load(kv_lens_ptr + seq, mask=~direct, other=0))
     q_pos = seq_kv_len - (q_end - q_start) + (tok - q_start)
     if CAUSAL:
         kv_len = q_pos + 1
@@ -94,10 +103,16 @@ def _paged_attention_kernel(
     # A head-major pool's head stride is a whole layer's pool: head x stride passes 2**31
     # elements in pools over 4 GiB (whisper-large-v3-turbo's 4 layers share the cross budget).
     head_kv = head.to(tl.int64)
+    # Each tile's page ids are loaded one tile ahead, so a tile's K/V loads wait on no load
+    # issued in the same iteration.
+    offs_n = k_begin + tl.arange(0, BLOCK_N)
+    next_page = tl.load(table_row + offs_n // TOKENS_PER_BLOCK, mask=offs_n < k_end, other=0)
     for n0 in range(k_begin, k_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)                                  # [BLOCK_N]
         mask_n = offs_n < k_end
-        page = tl.load(table_row + offs_n // TOKENS_PER_BLOCK, mask=mask_n, other=0).to(tl.int64)
+        page = next_page.to(tl.int64)
+        ahead = offs_n + BLOCK_N
+        next_page = tl.load(table_row + ahead // TOKENS_PER_BLOCK, mask=ahead < k_end, other=0)
         in_page = (offs_n % TOKENS_PER_BLOCK).to(tl.int64)
         mask_nd = mask_n[:, None] & mask_d[None, :]
         k_off = page * stride_kb + in_page * stride_kt + head_kv * stride_kh    # [BLOCK_N]

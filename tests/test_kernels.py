@@ -97,6 +97,7 @@ PAGED_CASES = [  # kv_lens, q_lens, heads, head_dim, tokens_per_block, splits, c
     ([100, 37], [2, 1], 1, 80, 64, None, True, True),                      # odd head_dim, auto splits
     ([70, 9, 130], [1, 1, 2], 1, 256, 16, 3, False, False),
     ([33, 5], [1, 1], 3, 16, 16, 16, True, True),                          # more splits than tiles
+    ([9, 20, 14, 30], [1, 0, 2, 1], 2, 64, 16, 2, True, True),             # an empty sequence
 ]
 
 
