@@ -147,6 +147,7 @@ TUNING_ENV = {
     "encoder_tokens_while_decoding": "ENC2DEC_ENCODER_TOKENS_WHILE_DECODING",
     "encoder_join_steps": "ENC2DEC_ENCODER_JOIN_STEPS",
     "encoder_beside_decoder": "ENC2DEC_ENCODER_BESIDE_DECODER",
+    "encoder_batches_fit_graphs": "ENC2DEC_ENCODER_BATCHES_FIT_GRAPHS",
     "cross_kv_head_major": "ENC2DEC_CROSS_KV_HEAD_MAJOR",
     "cpu_greedy_head": "ENC2DEC_CPU_GREEDY_HEAD",
 }
@@ -179,6 +180,12 @@ class TuningConfig:
     # schedule() calls, not measured time, so a run's batches do not depend on GPU timing.
     # 0 (auto): 2 for an encoder-heavy Whisper, else 1 (``encoder_admission``).
     encoder_join_steps: int = 0
+    # With encoder CUDA graphs (padded batches): admission stops adding requests to a step's
+    # encoder microbatch where the next one would leave every captured graph, so the microbatch
+    # replays a graph (beside the decoder, one launch) instead of running eagerly on the main
+    # stream (hundreds of launches the running sequences wait for). Its first request is always
+    # admitted.
+    encoder_batches_fit_graphs: bool = True
     # The triton backend's cross K/V pools stored head-major ([heads, blocks, positions,
     # head_dim]): a decode program, one (row, head), then reads a request's keys for its head
     # as one contiguous run instead of 128-byte rows 2.5 KB apart (whisper-large-v3: +2.7% with
@@ -192,8 +199,8 @@ class TuningConfig:
 
     def __post_init__(self):
         o = "tuning"
-        for name in ("skinny_gemm", "fused_gemv", "encoder_beside_decoder", "cross_kv_head_major",
-                     "cpu_greedy_head"):
+        for name in ("skinny_gemm", "fused_gemv", "encoder_beside_decoder", "encoder_batches_fit_graphs",
+                     "cross_kv_head_major", "cpu_greedy_head"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{o}.{name} must be true or false, got {getattr(self, name)!r}")
         _check_positive_int(o, "attn_min_keys_per_split", self.attn_min_keys_per_split)

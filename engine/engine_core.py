@@ -205,6 +205,9 @@ class EngineCore:
             beside = f", encoded beside the decoder, joining {join} step{'s' * (join > 1)} later" if join else ""
             logger.info("admission while decoding: %s encoder positions a step%s", tokens or "unbounded", beside)
         self.scheduler = Scheduler(self.limits, plan.num_self_blocks, plan.num_cross_blocks)
+        encoder_graphs = getattr(self.runner, "encoder_graphs", None)   # a tensor-parallel driver has none
+        if args.tuning.encoder_batches_fit_graphs and encoder_graphs is not None and encoder_graphs.pad_batch:
+            self.scheduler.encoder_graph_fits = encoder_graphs.holds
         self._live: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         # Overlap: step N+1 is scheduled and launched while the GPU runs step N. On the CPU a launch

@@ -217,6 +217,36 @@ def test_steps_that_decode_encode_at_most_their_encoder_budget():
     assert [e.request_id for e in so.encodes] == ["b"] and len(so.seqs) == 2
 
 
+def test_encoder_microbatches_stay_inside_the_captured_encoder_graphs():
+    # bart-large-cnn-like: 384-position inputs, an 8,192-token step; padded graphs hold a power of
+    # two of inputs up to 512 positions long within 8,192 padded positions (16 x 512 at most).
+    buckets = [(b, n) for b in (1, 2, 4, 8, 16, 32) for n in (64, 128, 256, 512, 1024) if b * n <= 8192]
+
+    def holds(count, longest):
+        return any(b >= count and n >= longest for b, n in buckets)
+
+    def first_steps(fits, lengths):
+        sched = Scheduler(limits(max_num_tokens=8192), 5000, 5000)
+        sched.encoder_graph_fits = fits
+        for i, n in enumerate(lengths):
+            sched.add_request(make_request(f"r{i}", n, 4, ignore_eos=True))
+        model, counts = PagedFakeModel(5000, 5000, 4), []
+        while sched.waiting:
+            so = sched.schedule()
+            check_limits(sched, so)
+            counts.append(len(so.encodes))
+            sched.update(so, model.execute(so))
+        return counts
+
+    assert first_steps(None, [384] * 40)[:2] == [21, 19], "the token budget alone: 21 of 384 positions a step"
+    assert first_steps(holds, [384] * 40) == [16, 16, 8], "16 x 384 replays the 16 x 512 graph"
+    # A longer input ends the microbatch where it would leave the graphs: 9 x 600 needs a 16 x 1024 graph.
+    assert first_steps(holds, [100] * 8 + [600] + [100] * 7)[0] == 8
+    # An input no graph holds is still encoded, eagerly, so nothing waits for ever; the step's
+    # others join it (an eager microbatch launches the same kernels whatever its size).
+    assert first_steps(holds, [2000, 100, 100]) == [3]
+
+
 def test_token_budget_counts_encoder_and_decoder_tokens():
     sched = Scheduler(limits(max_num_tokens=30), 100, 100)
     model = PagedFakeModel(100, 100, 4)

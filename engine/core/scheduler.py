@@ -39,6 +39,7 @@ own copy at the next ``schedule()`` (copy-on-write; the copies ride in
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from enc2dec.engine.core.admission import SchedulerLimits, admission_error  # noqa: F401 (re-export)
@@ -72,6 +73,7 @@ class _StepBudget:
     num_tokens: int = 0          # encoder positions + decoder tokens
     num_seqs: int = 0            # live sequences of running requests
     num_growth_blocks: int = 0   # self blocks those sequences need on top at the next step
+    longest_encode: int = 0      # encoder positions of the longest input encoded this step
 
 
 class Scheduler(BeamScheduling):
@@ -90,6 +92,9 @@ class Scheduler(BeamScheduling):
         self._num_schedules = 0                  # schedule() calls: an encode's ticket is its call's number
         self._joined_ticket = 0                  # the last ticket whose requests joined
         self._pending_joins: deque[tuple[int, list[Request]]] = deque()   # (ticket, requests), in order
+        # (count, longest) -> whether a captured encoder CUDA graph holds that microbatch; set by
+        # the engine when encoder graphs pad batches (None: every microbatch size costs alike).
+        self.encoder_graph_fits: Callable[[int, int], bool] | None = None
 
     # ----------------------------------------------------------------- requests in and out
 
@@ -247,12 +252,24 @@ class Scheduler(BeamScheduling):
                 break
             if cap and not is_cached and budget.num_encodes and budget.num_encoder_tokens + req.encoder_len > cap:
                 break
+            if not is_cached and budget.num_encodes and self._leaves_encoder_graphs(req, budget):
+                break
             self._admit(self.waiting.popleft(), out, budget, is_cached, 0 if is_cached else ticket)
             if req.encode_pending:
                 deferred.append(req)
         if deferred:
             out.encode_ticket = ticket
             self._pending_joins.append((ticket, deferred))
+
+    def _leaves_encoder_graphs(self, req: Request, budget: _StepBudget) -> bool:
+        """Whether encoding ``req`` too would take this step's microbatch out of every captured
+        encoder graph. Such a batch runs eagerly on the main stream, launch by launch, where a
+        graph replays beside the decoder: bart-large-cnn's 21 requests of 384 positions (8,064 of
+        the 8,192-token budget; the largest graph at that length holds 16) took ~15 ms of host
+        time a step while every running sequence waited (docs/benchmarks.md, session 30)."""
+        fits = self.encoder_graph_fits
+        return (fits is not None and fits(budget.num_encodes, budget.longest_encode)
+                and not fits(budget.num_encodes + 1, max(budget.longest_encode, req.encoder_len)))
 
     def _can_admit(self, req: Request, budget: _StepBudget, is_cached: bool = False) -> bool:
         """Whether ``req`` fits this step; ``is_cached``: its cross blocks are in the encoder cache
@@ -304,6 +321,7 @@ class Scheduler(BeamScheduling):
             budget.num_encodes += 1
             budget.num_encoder_tokens += req.encoder_len
             budget.num_tokens += req.encoder_len
+            budget.longest_encode = max(budget.longest_encode, req.encoder_len)
         if ticket:
             req.encode_pending = ticket
             self._reserve(req, _schedulable(req), budget)

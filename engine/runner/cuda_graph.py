@@ -339,11 +339,17 @@ class EncoderGraphRunner:
 
     def pick(self, encodes) -> tuple[int, int] | None:
         """The cheapest bucket holding this batch (batch padded only with ``pad_batch``)."""
-        count, longest = len(encodes), max(e.encoder_len for e in encodes)
+        return self.bucket_for(len(encodes), max(e.encoder_len for e in encodes))
+
+    def bucket_for(self, count: int, longest: int) -> tuple[int, int] | None:
+        """The cheapest bucket holding ``count`` inputs of at most ``longest`` positions."""
         for b, n in self.buckets:
             if (b >= count if self.pad_batch else b == count) and n >= longest:
                 return b, n
         return None
+
+    def holds(self, count: int, longest: int) -> bool:
+        return self.bucket_for(count, longest) is not None
 
     def run(self, encodes, bucket: tuple[int, int], features: torch.Tensor | None = None,
             replay: bool = True) -> None:
