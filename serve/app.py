@@ -92,12 +92,13 @@ def build_app(config: ServeConfig, make_llm: Callable[[], Any] | None = None, ll
                 return {"status": "ok"}
             return {"status": "ok" if all(r["status"] == "ok" for r in replicas) else "degraded",
                     "replicas": replicas}
-        body = {"status": front.state}
+        status = front.status
+        body = {"status": status}
         if front.error:
             body["error"] = front.error
         if replicas is not None:
             body["replicas"] = replicas
-        headers = {"Retry-After": str(config.retry_after_s)} if front.state in ("loading", "draining") else None
+        headers = {"Retry-After": str(config.retry_after_s)} if status in ("loading", "draining") else None
         return JSONResponse(body, status_code=503, headers=headers)
 
     @app.get("/version")

@@ -82,6 +82,10 @@ class EngineFront:
         self.llm = None
         self.info: ModelInfo | None = None
         self.state = "loading"           # loading -> ready -> draining; or failed
+        # Another API process of a server of several: ready only once the first process opens
+        # this (every process attached), so a client that got 200 from /health on one
+        # connection never meets a 503 "loading" from a process still attaching on the next.
+        self.gate: Callable[[], bool] | None = None
         self.error: str | None = None
         self.num_in_flight = 0           # engine requests submitted and not yet consumed to the end
         self.num_seqs_in_flight = 0      # their decoder sequences (n samples or beams each): the queue bound
@@ -131,12 +135,21 @@ class EngineFront:
             gc.unfreeze()             # what the server held can be collected again
 
     @property
+    def status(self) -> str:
+        """``state`` as clients see it: "loading" while the gate is closed."""
+        if self.state == "ready" and self.gate is not None:
+            if not self.gate():
+                return "loading"
+            self.gate = None                 # open for good
+        return self.state
+
+    @property
     def is_ready(self) -> bool:
         if self.state == "ready" and self.llm is not None and not getattr(self.llm, "is_healthy", True):
             error = getattr(self.llm, "error", None)
             self.state, self.error = "failed", f"the engine thread died: {error!r}"
             logger.error("%s", self.error)
-        return self.state == "ready" and self.llm is not None
+        return self.status == "ready" and self.llm is not None
 
     def stats(self) -> dict[str, int] | None:
         return engine_stats(self.llm) if self.llm is not None else None

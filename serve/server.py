@@ -194,12 +194,15 @@ def run_server(config: ServeConfig, llm_args) -> int:
         ctx = multiprocessing.get_context("spawn")
         listen_on = (config.host, sock.getsockname()[1]) if own else sock     # port 0: the one we got
         started: list = []
+        # Opened once every API process is attached: until then each answers 503 "loading",
+        # whichever process a connection lands on (shared memory, no lock: one writer, one byte).
+        gate = ctx.RawValue("b", 0)
 
         def spawn(num: int) -> None:
             for i in range(1, num):
                 # A pipe, not an Event: no semaphore for the resource tracker to find left over.
                 ready, tell = ctx.Pipe(duplex=False)
-                w = ctx.Process(target=_api_worker, args=(config, llm_args, address, listen_on, tell),
+                w = ctx.Process(target=_api_worker, args=(config, llm_args, address, listen_on, tell, gate),
                                 name=f"api-{i}", daemon=True)
                 w.start()
                 tell.close()
@@ -216,6 +219,7 @@ def run_server(config: ServeConfig, llm_args) -> int:
                 logger.info("enc2dec serve: %d API process%s (--api-processes auto)", num, "es" * (num > 1))
                 spawn(num)
             _wait_for_workers(started)
+            gate.value = 1
             return llm
 
     app = build_app(config, llm_args=llm_args, make_llm=make_llm)
@@ -258,10 +262,12 @@ def auto_api_processes(device) -> int:
 PARENT_GONE_GRACE_S = 5.0
 
 
-def _api_worker(config: ServeConfig, llm_args, address, listen_on, ready) -> None:
+def _api_worker(config: ServeConfig, llm_args, address, listen_on, ready, gate) -> None:
     """One more API process: the same app over an attached client of the engine process. It
-    takes connections only once attached (its own socket listens from then on), and says so
-    through ``ready``: the first process turns healthy after every other one has."""
+    takes connections only once attached (its own socket listens from then on), says so
+    through ``ready``, and answers as ready only once the first process opens ``gate``, after
+    every other one has said so: a process attached early would otherwise report healthy
+    while the others still answer 503 "loading"."""
     import threading
 
     from enc2dec.engine.engine_process import ProcessLLM
@@ -279,6 +285,7 @@ def _api_worker(config: ServeConfig, llm_args, address, listen_on, ready) -> Non
         logger.error("API process %d: cannot attach to the engine: %s", os.getpid(), e)
         raise SystemExit(1) from None
     app = build_app(config, llm_args=llm_args, make_llm=lambda: llm)
+    app.state.front.gate = lambda: gate.value == 1
     server = make_server(app, config)
 
     def tell_when_serving():

@@ -54,6 +54,29 @@ def test_api_key_guards_every_endpoint_but_health(t5_relu):
         srv.stop()
 
 
+def test_an_api_process_attached_early_answers_loading_until_the_server_opens_its_gate(t5_relu):
+    # One of several API processes (serve/server.py): attached, but the first process has not yet
+    # seen the others attach. A client's /health 200 must mean every process serves.
+    opened = threading.Event()
+    srv = LiveServer(ServeConfig(model=t5_relu, retry_after_s=3), tiny_llm_factory(t5_relu))
+    srv.front.gate = opened.is_set
+    srv.start(wait_ready=False)
+    try:
+        deadline = time.monotonic() + 60
+        while srv.front.state != "ready":                          # the engine is up behind the gate
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        h = httpx.get(srv.url + "/health")
+        assert h.status_code == 503 and h.json() == {"status": "loading"} and h.headers["retry-after"] == "3"
+        r = httpx.post(srv.url + "/v1/completions", json=BODY)
+        assert r.status_code == 503 and "loading" in r.json()["error"]["message"]
+        opened.set()
+        assert httpx.get(srv.url + "/health").json() == {"status": "ok"}
+        assert httpx.post(srv.url + "/v1/completions", json=BODY, timeout=60).status_code == 200
+    finally:
+        srv.stop()
+
+
 def test_loading_then_ready_then_queue_bound_and_disconnects(t5_relu):
     release = threading.Event()
     make = tiny_llm_factory(t5_relu, max_batch_size=2)
