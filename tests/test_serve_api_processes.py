@@ -29,9 +29,16 @@ AUTO_AS_ON_A_GPU = ("import sys, enc2dec.serve.server as s; s.auto_api_processes
                     "from enc2dec.cli.main import app; app(sys.argv[1:])")
 
 
-def _start(model: str, *extra: str, auto: bool = False):
+# As AUTO_AS_ON_A_GPU, and the first process takes 3 s more to see the other one attach (a slow
+# host): the window in which one process is ready and the other is not.
+SLOW_FIRST = ("import sys, time, enc2dec.serve.server as s; s.auto_api_processes = lambda device: 2; "
+              "wait = s._wait_for_workers; s._wait_for_workers = lambda started: (wait(started), time.sleep(3)); "
+              "from enc2dec.cli.main import app; app(sys.argv[1:])")
+
+
+def _start(model: str, *extra: str, auto: bool = False, code: str = AUTO_AS_ON_A_GPU, wait_both: bool = True):
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    head = [sys.executable, "-c", AUTO_AS_ON_A_GPU] if auto else [sys.executable, "-m", "enc2dec.cli.main"]
+    head = [sys.executable, "-c", code] if auto else [sys.executable, "-m", "enc2dec.cli.main"]
     cmd = [*head, "serve", model, "--device", "cpu", "--dtype", "float32",
            "--port", "0", "--served-model-name", "t5", *(() if auto else ("--api-processes", "2")), *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -45,7 +52,7 @@ def _start(model: str, *extra: str, auto: bool = False):
         url = m.group(1) if m else None
         time.sleep(0.05)
     # Both processes must be up: each logs "engine ready" once its client is attached.
-    while sum("engine ready" in ln for ln in list(lines)) < 2:
+    while wait_both and sum("engine ready" in ln for ln in list(lines)) < 2:
         assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
         time.sleep(0.1)
     return proc, url, lines
@@ -102,6 +109,29 @@ def test_metrics_count_every_process_whichever_answers_the_scrape(server):
     # Scrapes on new connections land on either process; each must give the summed count.
     seen = {_completions_answered(url) for _ in range(6)}
     assert seen == {before + 2 * len(PROMPTS)}
+
+
+def test_health_200_from_any_process_means_every_process_takes_requests(t5_relu):
+    proc, url, lines = _start(t5_relu, auto=True, code=SLOW_FIRST, wait_both=False)
+    try:
+        deadline = time.monotonic() + 90
+        while True:          # a client polling /health, each probe on a new connection
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.02)
+        body = {"model": "t5", "prompt": "hello there", "max_tokens": 4}
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:     # new connections land on either process
+            codes = list(pool.map(lambda _: httpx.post(url + "/v1/completions", json=body, timeout=60).status_code,
+                                  range(16)))
+        assert codes == [200] * 16, codes
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
 
 
 @pytest.mark.parametrize("auto", [False, True], ids=["two", "auto"])
