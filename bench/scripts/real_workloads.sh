@@ -133,7 +133,6 @@ sys.exit(1)
 PY
   then
     echo "serve (--api-processes $api): healthy after $((SECONDS - t0)) s"
-    sleep 2                      # the other API processes attach just after the first reports healthy
     # bench's default client processes (one per 16 streams): one Python client would itself cap
     # the figure near 20k tok/s (bench/http_shards.py).
     run http-stream-a$api${SERVE_TAG:-} $LIMIT --url "http://127.0.0.1:$port" --streaming --quiet --warmup 1 $TXT \
