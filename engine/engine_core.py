@@ -205,7 +205,8 @@ class EngineCore:
             beside = f", encoded beside the decoder, joining {join} step{'s' * (join > 1)} later" if join else ""
             logger.info("admission while decoding: %s encoder positions a step%s", tokens or "unbounded", beside)
         self.scheduler = Scheduler(self.limits, plan.num_self_blocks, plan.num_cross_blocks)
-        encoder_graphs = getattr(self.runner, "encoder_graphs", None)   # a tensor-parallel driver has none
+        # Tensor parallel: rank 0 captured the buckets every rank did (the same arguments).
+        encoder_graphs = getattr(self.runner, "encoder_graphs", None)
         if args.tuning.encoder_batches_fit_graphs and encoder_graphs is not None and encoder_graphs.pad_batch:
             self.scheduler.encoder_graph_fits = encoder_graphs.holds
         self._live: dict[str, _Tracked] = {}
