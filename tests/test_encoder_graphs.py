@@ -133,3 +133,36 @@ def test_encoder_graph_replay_writes_the_cross_kv_of_the_eager_step(family, requ
             runner._run_encoder(padded)
         torch.cuda.synchronize()
         _assert_same_cross_kv(runner, packed, padded, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_admission_sizes_encoder_microbatches_to_the_captured_graphs(bart):
+    """A step's token budget (256) admits 8 requests of ~20 positions, which no graph holds (the
+    largest at 64 positions is 4 x 64): with ``encoder_batches_fit_graphs`` every encode replays a
+    graph, 4 at a time; without it the first wave encodes eagerly."""
+    from enc2dec.engine import SamplingParams, TuningConfig
+
+    prompts = [f"summarize: item {i} of the list is here today" for i in range(16)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    def encodes(fit: bool) -> tuple[list[int], list[int]]:
+        with LLM(bart, dtype="bfloat16", max_batch_size=8, max_num_tokens=256, max_input_len=64,
+                 tuning=TuningConfig(encoder_batches_fit_graphs=fit),
+                 kv_cache_config=KvCacheConfig(cross_kv_cache_fraction=0.5, free_gpu_memory_fraction=0.2)) as llm:
+            runner = llm.engine.runner
+            assert runner.encoder_graphs.buckets[-1] == (4, 64)
+            run_encoder, replayed, eager = runner._run_encoder, [], []
+
+            def counting(batch):
+                (replayed if runner.encoder_graphs.pick(batch) is not None else eager).append(len(batch))
+                return run_encoder(batch)
+            runner._run_encoder = counting
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+            return replayed, eager
+
+    replayed, eager = encodes(fit=True)
+    assert eager == [] and max(replayed) == 4 and sum(replayed) == len(prompts)
+    replayed, eager = encodes(fit=False)
+    assert eager and max(eager) > 4
