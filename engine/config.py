@@ -166,7 +166,8 @@ class TuningConfig:
     # clip for Whisper, so admitting requests costs the running ones at most one encoder pass of
     # latency per step (two for an encoder-heavy Whisper encoded beside the decoder, see
     # ``encoder_admission``); no bound for text models, whose encoders are cheap. A value bounds
-    # any model (smoother inter-token latency, slower fill after a burst of arrivals).
+    # any model (smoother inter-token latency, slower fill after a burst of arrivals). A
+    # microbatch that replays an encoder graph counts the graph's positions, padding included.
     encoder_tokens_while_decoding: int = 0
     # On one CUDA GPU, requests admitted while others decode are encoded on a second stream,
     # beside the next decode step, and join the batch one step later, so the running sequences

@@ -208,7 +208,7 @@ class EngineCore:
         # Tensor parallel: rank 0 captured the buckets every rank did (the same arguments).
         encoder_graphs = getattr(self.runner, "encoder_graphs", None)
         if args.tuning.encoder_batches_fit_graphs and encoder_graphs is not None and encoder_graphs.pad_batch:
-            self.scheduler.encoder_graph_fits = encoder_graphs.holds
+            self.scheduler.encoder_graph_positions = encoder_graphs.positions
         self._live: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         # Overlap: step N+1 is scheduled and launched while the GPU runs step N. On the CPU a launch

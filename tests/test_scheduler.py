@@ -222,15 +222,19 @@ def test_encoder_microbatches_stay_inside_the_captured_encoder_graphs():
     # two of inputs up to 512 positions long within 8,192 padded positions (16 x 512 at most).
     buckets = [(b, n) for b in (1, 2, 4, 8, 16, 32) for n in (64, 128, 256, 512, 1024) if b * n <= 8192]
 
-    def holds(count, longest):
-        return any(b >= count and n >= longest for b, n in buckets)
+    def positions(count, longest):
+        return min((b * n for b, n in buckets if b >= count and n >= longest), default=None)
 
-    def first_steps(fits, lengths):
-        sched = Scheduler(limits(max_num_tokens=8192), 5000, 5000)
-        sched.encoder_graph_fits = fits
+    def encodes_per_step(graphs, lengths, while_decoding=0):
+        sched = Scheduler(limits(max_num_tokens=8192, encoder_max_num_tokens_while_decoding=while_decoding),
+                          5000, 5000)
+        sched.encoder_graph_positions = graphs
+        model, counts = PagedFakeModel(5000, 5000, 4), []
+        if while_decoding:      # one request decoding, so the bound applies from the next step on
+            sched.add_request(make_request("first", 8, 64, ignore_eos=True))
+            sched.update(so := sched.schedule(), model.execute(so))
         for i, n in enumerate(lengths):
             sched.add_request(make_request(f"r{i}", n, 4, ignore_eos=True))
-        model, counts = PagedFakeModel(5000, 5000, 4), []
         while sched.waiting:
             so = sched.schedule()
             check_limits(sched, so)
@@ -238,13 +242,17 @@ def test_encoder_microbatches_stay_inside_the_captured_encoder_graphs():
             sched.update(so, model.execute(so))
         return counts
 
-    assert first_steps(None, [384] * 40)[:2] == [21, 19], "the token budget alone: 21 of 384 positions a step"
-    assert first_steps(holds, [384] * 40) == [16, 16, 8], "16 x 384 replays the 16 x 512 graph"
+    assert encodes_per_step(None, [384] * 40)[:2] == [21, 19], "the token budget alone: 21 of 384 positions a step"
+    assert encodes_per_step(positions, [384] * 40) == [16, 16, 8], "16 x 384 replays the 16 x 512 graph"
     # A longer input ends the microbatch where it would leave the graphs: 9 x 600 needs a 16 x 1024 graph.
-    assert first_steps(holds, [100] * 8 + [600] + [100] * 7)[0] == 8
+    assert encodes_per_step(positions, [100] * 8 + [600] + [100] * 7)[0] == 8
     # An input no graph holds is still encoded, eagerly, so nothing waits for ever; the step's
     # others join it (an eager microbatch launches the same kernels whatever its size).
-    assert first_steps(holds, [2000, 100, 100]) == [3]
+    assert encodes_per_step(positions, [2000, 100, 100]) == [3]
+    # A bound on the encoder positions of a decoding step counts what the graph runs, padding
+    # included: 10 of 384 (3,840 positions) would replay the 16 x 512 graph, so 8 (8 x 512) fit 4,096.
+    assert encodes_per_step(None, [384] * 20, while_decoding=4096)[:2] == [10, 10]
+    assert encodes_per_step(positions, [384] * 20, while_decoding=4096)[:2] == [8, 8]
 
 
 def test_token_budget_counts_encoder_and_decoder_tokens():

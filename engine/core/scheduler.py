@@ -92,9 +92,10 @@ class Scheduler(BeamScheduling):
         self._num_schedules = 0                  # schedule() calls: an encode's ticket is its call's number
         self._joined_ticket = 0                  # the last ticket whose requests joined
         self._pending_joins: deque[tuple[int, list[Request]]] = deque()   # (ticket, requests), in order
-        # (count, longest) -> whether a captured encoder CUDA graph holds that microbatch; set by
-        # the engine when encoder graphs pad batches (None: every microbatch size costs alike).
-        self.encoder_graph_fits: Callable[[int, int], bool] | None = None
+        # (count, longest) -> the encoder positions of the captured CUDA graph that would run that
+        # microbatch (padded), or None when none holds it; set by the engine when encoder graphs
+        # pad batches (None: every microbatch runs as packed, eagerly).
+        self.encoder_graph_positions: Callable[[int, int], int | None] | None = None
 
     # ----------------------------------------------------------------- requests in and out
 
@@ -250,9 +251,7 @@ class Scheduler(BeamScheduling):
             is_cached = req.encoder_cache_key in self.encoder_cache
             if not self._can_admit(req, budget, is_cached):
                 break
-            if cap and not is_cached and budget.num_encodes and budget.num_encoder_tokens + req.encoder_len > cap:
-                break
-            if not is_cached and budget.num_encodes and self._leaves_encoder_graphs(req, budget):
+            if not is_cached and budget.num_encodes and self._ends_encoder_microbatch(req, budget, cap):
                 break
             self._admit(self.waiting.popleft(), out, budget, is_cached, 0 if is_cached else ticket)
             if req.encode_pending:
@@ -261,15 +260,22 @@ class Scheduler(BeamScheduling):
             out.encode_ticket = ticket
             self._pending_joins.append((ticket, deferred))
 
-    def _leaves_encoder_graphs(self, req: Request, budget: _StepBudget) -> bool:
-        """Whether encoding ``req`` too would take this step's microbatch out of every captured
-        encoder graph. Such a batch runs eagerly on the main stream, launch by launch, where a
-        graph replays beside the decoder: bart-large-cnn's 21 requests of 384 positions (8,064 of
-        the 8,192-token budget; the largest graph at that length holds 16) took ~15 ms of host
-        time a step while every running sequence waited (docs/benchmarks.md, session 30)."""
-        fits = self.encoder_graph_fits
-        return (fits is not None and fits(budget.num_encodes, budget.longest_encode)
-                and not fits(budget.num_encodes + 1, max(budget.longest_encode, req.encoder_len)))
+    def _ends_encoder_microbatch(self, req: Request, budget: _StepBudget, cap: int) -> bool:
+        """Whether ``req`` should wait for a later step rather than join this step's encoder
+        microbatch (which holds at least one request): it would exceed ``cap`` (0: none), the
+        encoder positions a decoding step may run, or take the microbatch out of every captured
+        encoder graph. A microbatch no graph holds runs eagerly on the main stream, launch by
+        launch, where a graph replays beside the decoder: bart-large-cnn's 21 requests of 384
+        positions (8,064 of the 8,192-token budget; the largest graph at that length holds 16)
+        took ~15 ms of host time a step while every running sequence waited (docs/benchmarks.md,
+        sessions 30-31). With graphs, ``cap`` counts the positions the graph runs, padding
+        included: 10 requests of 384 replay the 16 x 512 graph, as costly as 16."""
+        positions = self.encoder_graph_positions
+        now = positions(budget.num_encodes, budget.longest_encode) if positions is not None else None
+        if now is None:          # no graphs, or an eager microbatch already: packed positions
+            return bool(cap) and budget.num_encoder_tokens + req.encoder_len > cap
+        after = positions(budget.num_encodes + 1, max(budget.longest_encode, req.encoder_len))
+        return after is None or bool(cap) and after > cap
 
     def _can_admit(self, req: Request, budget: _StepBudget, is_cached: bool = False) -> bool:
         """Whether ``req`` fits this step; ``is_cached``: its cross blocks are in the encoder cache

@@ -348,8 +348,11 @@ class EncoderGraphRunner:
                 return b, n
         return None
 
-    def holds(self, count: int, longest: int) -> bool:
-        return self.bucket_for(count, longest) is not None
+    def positions(self, count: int, longest: int) -> int | None:
+        """Encoder positions (padding included) of the graph that would run ``count`` inputs of at
+        most ``longest`` positions; None when no graph holds them."""
+        bucket = self.bucket_for(count, longest)
+        return None if bucket is None else bucket[0] * bucket[1]
 
     def run(self, encodes, bucket: tuple[int, int], features: torch.Tensor | None = None,
             replay: bool = True) -> None:
