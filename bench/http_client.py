@@ -9,6 +9,7 @@ reports them, else the number of streamed chunks. Audio goes to
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -24,6 +25,28 @@ def _httpx():
     except ImportError:
         raise BenchInputError("--url needs the 'httpx' package: pip install httpx") from None
     return httpx
+
+
+# How long --url waits for a server that is still loading its model: a large checkpoint can take
+# minutes to load, and a script that started the server has nothing better to do meanwhile.
+DEFAULT_READY_TIMEOUT_S = 600.0
+
+
+def _health_status(r) -> str | None:
+    """enc2dec serve's /health status on a 503 ("loading", "draining", "failed"); None otherwise."""
+    if r.status_code != 503:
+        return None
+    try:
+        return r.json().get("status")
+    except (ValueError, AttributeError):
+        return None
+
+
+def _health_error(r) -> str | None:
+    try:
+        return r.json().get("error")
+    except (ValueError, AttributeError):
+        return None
 
 
 def normalize_url(url: str) -> str:
@@ -51,13 +74,34 @@ class HttpTarget:
         self.client = httpx.AsyncClient(base_url=self.url, limits=limits,
                                         timeout=httpx.Timeout(timeout_s, connect=10.0))
 
-    async def connect(self) -> None:
-        """Fails fast (exit 2) when nothing answers; learns the model name from /v1/models."""
+    async def connect(self, ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S, progress=None) -> None:
+        """Fails fast (exit 2) when nothing answers; waits up to ``ready_timeout_s`` while the
+        server's /health says 503 ``loading`` (a server started just before, as scripts do:
+        enc2dec serve listens at once and loads the model behind it); a server whose engine
+        failed is an error at once. Learns the model name from /v1/models."""
+        deadline, waiting = time.monotonic() + ready_timeout_s, False
         try:
+            while True:
+                h = await self.client.get("/health", timeout=10.0)
+                status = _health_status(h)
+                if status == "failed":
+                    raise BenchInputError(f"{self.url}: the server's engine failed: "
+                                          f"{_health_error(h) or 'see its log'}")
+                if status != "loading":      # ready, or a server without this /health: go
+                    break
+                if time.monotonic() >= deadline:
+                    raise BenchInputError(f"{self.url} was still loading its model after {ready_timeout_s:g} s "
+                                          "(--ready-timeout)")
+                if not waiting and progress is not None:      # one step: done once the server is ready
+                    progress.start(f"waiting for {self.url} to load its model", 1)
+                waiting = True
+                await asyncio.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
             r = await self.client.get("/v1/models", timeout=10.0)
         except self._httpx.HTTPError as e:
             raise BenchInputError(f"cannot reach {self.url}: {type(e).__name__}: {e or 'no answer'}; "
                                   "is the server running?") from None
+        if waiting and progress is not None:
+            progress.advance()
         if self.model is None and r.status_code == 200:
             try:
                 self.model = r.json()["data"][0]["id"]

@@ -50,6 +50,7 @@ class BenchOptions:
     baselines: tuple[str, ...] = ()
     url: str | None = None
     client_processes: int | None = None     # --url: client processes (None: one per 8 streams, bench/http_shards.py)
+    ready_timeout_s: float | None = None    # --url: longest wait for a server still loading (None: 600 s)
     thresholds: tuple[Threshold, ...] = ()
     command: str | None = None
 
@@ -74,6 +75,11 @@ class BenchOptions:
             if self.url is None:
                 raise BenchInputError("--client-processes is for --url (a server); the in-process engine "
                                       "has no client to spread")
+        if self.ready_timeout_s is not None:
+            if self.url is None:
+                raise BenchInputError("--ready-timeout is for --url (a server that may still be loading)")
+            if not self.ready_timeout_s >= 0:
+                raise BenchInputError(f"--ready-timeout must be >= 0 seconds, got {self.ready_timeout_s}")
         if self.beam_width < 1:
             raise BenchInputError(f"--beam-width must be >= 1 (1: greedy), got {self.beam_width}")
         if self.beam_width > 1 and self.url and self.is_audio_requested:

@@ -41,6 +41,10 @@ Examples:
   # a running OpenAI-compatible server, a trtllm-bench dataset
   enc2dec bench --url http://localhost:8000 --dataset data.jsonl
     --concurrency 8,32
+
+  # a server started just before: bench waits while /health says it is loading
+  enc2dec serve google/flan-t5-large --port 8000 &
+  enc2dec bench --url http://localhost:8000 --streaming --concurrency 64
 """
 
 def _int_list(text: str, option: str) -> tuple[int, ...]:
@@ -92,6 +96,8 @@ def bench(
     dp_size: Annotated[OptInt, typer.Option(*DP_SIZE_FLAGS, rich_help_panel="Engine", help=DP_SIZE_HELP)] = None,
     url: Annotated[OptStr, _engine("Bench a running OpenAI-compatible server (http://host:port) instead of "
                                    "the in-process engine.")] = None,
+    ready_timeout: Annotated[OptFloat, _engine("With --url: seconds to wait while the server's /health says it "
+                                               "is still loading its model (default 600).")] = None,
     concurrency: Annotated[str, _work("Comma-separated levels; each keeps C requests in flight.")] = "1,8,32,64",
     num_requests: Annotated[OptStr, _work("Measured requests per level, or a comma list with one per level "
                                           "(default: max(4 x C, 32); no limit with --duration).")] = None,
@@ -186,7 +192,7 @@ def _options(o: dict):
         temperature=o["temperature"], top_p=o["top_p"], top_k=o["top_k"], sampling_seed=o["sampling_seed"],
         timestamps_every=o["timestamps_every"] if o["timestamps_every"] is not None else (1 if o["timestamps"] else None),
         detect_language=o["detect_language"],
-        baselines=baselines, url=o["url"], client_processes=o["client_processes"],
+        baselines=baselines, url=o["url"], client_processes=o["client_processes"], ready_timeout_s=o["ready_timeout"],
         thresholds=tuple(parse_threshold(t) for t in o["fail_under"] or []),
         command=command_line(o["ctx"], "bench"))
     opts.validate()

@@ -25,6 +25,15 @@ pytest.importorskip("httpx")
 
 class _Stub(BaseHTTPRequestHandler):
     seen: list = []
+    loading_until = 0.0        # until this time.monotonic(), 503 "loading" as enc2dec serve answers
+    health = None              # a fixed /health answer (code, body) instead
+
+    def _loading(self) -> bool:
+        if time.monotonic() >= self.loading_until:
+            return False
+        self._json(503, {"status": "loading"} if self.path == "/health" else
+                   {"error": {"message": "the model is still loading; retry shortly"}})
+        return True
 
     def log_message(self, *args):
         pass
@@ -38,10 +47,16 @@ class _Stub(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def do_GET(self):
+        if self.path == "/health" and self.health is not None:
+            return self._json(*self.health)
+        if self._loading():
+            return
         self._json(200, {"object": "list", "data": [{"id": "stub-model", "object": "model"}]})
 
     def do_POST(self):
         raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        if self._loading():
+            return
         if self.path == "/v1/audio/transcriptions":
             n = int(re.search(rb'name="max_tokens"\r\n\r\n(\d+)', raw).group(1))
             self.seen.append(("audio", n))
@@ -64,7 +79,7 @@ class _Stub(BaseHTTPRequestHandler):
 @pytest.fixture
 def stub_url():
     pytest.importorskip("httpx")
-    _Stub.seen = []
+    _Stub.seen, _Stub.loading_until, _Stub.health = [], 0.0, None
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Stub)
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, daemon=True)
@@ -139,6 +154,32 @@ def test_url_audio(stub_url):
                   "--audio-seconds", "1.5", "--output-len", "7", "--fail-under", "rtf=0.1")
     assert r.exit_code == 0, r.output
     assert [n for kind, n in _Stub.seen if kind == "audio"] == [7] * 4
+
+
+def test_url_bench_waits_for_a_server_still_loading_its_model(stub_url, tmp_path):
+    # A script starts the server in the background and benches it at once: the server listens
+    # but answers 503 "loading" (to /health and to requests) until its model is up.
+    out = tmp_path / "r.json"
+    _Stub.loading_until = time.monotonic() + 1.5
+    r = bench_cli("--url", stub_url, "--concurrency", "2", "--num-requests", "4", "--warmup", "0",
+                  "--input-len", "4", "--output-len", "2", "--report-json", str(out))
+    assert r.exit_code == 0, r.output
+    lv = json.loads(out.read_text())["levels"][0]
+    assert lv["completed"] == 4 and lv["failed"] == 0
+    assert time.monotonic() >= _Stub.loading_until
+    # Past --ready-timeout it gives up with the reason (exit 2), before sending any request.
+    _Stub.seen, _Stub.loading_until = [], time.monotonic() + 30
+    r = bench_cli("--url", stub_url, "--concurrency", "1", "--num-requests", "2", "--ready-timeout", "1")
+    assert r.exit_code == 2 and "still loading its model after 1 s (--ready-timeout)" in r.output, r.output
+    assert _Stub.seen == []
+    # A server whose engine failed is an error at once, with the server's words.
+    _Stub.health = (503, {"status": "failed", "error": "RuntimeError: CUDA out of memory"})
+    t0 = time.monotonic()
+    r = bench_cli("--url", stub_url, "--concurrency", "1", "--num-requests", "2")
+    assert r.exit_code == 2 and "the server's engine failed: RuntimeError: CUDA out of memory" in r.output
+    assert time.monotonic() - t0 < 10
+    r = bench_cli("--model", "google/flan-t5-small", "--load-format", "dummy", "--ready-timeout", "5")
+    assert r.exit_code == 2 and "--ready-timeout is for --url" in r.output
 
 
 def test_unreachable_url_exit_2():
