@@ -32,21 +32,16 @@ def _httpx():
 DEFAULT_READY_TIMEOUT_S = 600.0
 
 
-def _health_status(r) -> str | None:
-    """enc2dec serve's /health status on a 503 ("loading", "draining", "failed"); None otherwise."""
+def _unavailable_body(r) -> dict:
+    """The JSON body of a 503 from /health (enc2dec serve's ``{"status": "loading" | "draining" |
+    "failed", "error": ...}``); {} for any other answer."""
     if r.status_code != 503:
-        return None
+        return {}
     try:
-        return r.json().get("status")
-    except (ValueError, AttributeError):
-        return None
-
-
-def _health_error(r) -> str | None:
-    try:
-        return r.json().get("error")
-    except (ValueError, AttributeError):
-        return None
+        body = r.json()
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
 
 
 def normalize_url(url: str) -> str:
@@ -74,19 +69,22 @@ class HttpTarget:
         self.client = httpx.AsyncClient(base_url=self.url, limits=limits,
                                         timeout=httpx.Timeout(timeout_s, connect=10.0))
 
-    async def connect(self, ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S, progress=None) -> None:
-        """Fails fast (exit 2) when nothing answers; waits up to ``ready_timeout_s`` while the
-        server's /health says 503 ``loading`` (a server started just before, as scripts do:
-        enc2dec serve listens at once and loads the model behind it); a server whose engine
-        failed is an error at once. Learns the model name from /v1/models."""
+    async def connect(self, ready_timeout_s: float | None = None, progress=None) -> None:
+        """Fails fast (exit 2) when nothing answers; waits up to ``ready_timeout_s`` (None:
+        ``DEFAULT_READY_TIMEOUT_S``) while the server's /health says 503 ``loading`` (a server
+        started just before, as scripts do: enc2dec serve listens at once and loads the model
+        behind it); a server whose engine failed is an error at once. Learns the model name
+        from /v1/models."""
+        if ready_timeout_s is None:
+            ready_timeout_s = DEFAULT_READY_TIMEOUT_S
         deadline, waiting = time.monotonic() + ready_timeout_s, False
         try:
             while True:
-                h = await self.client.get("/health", timeout=10.0)
-                status = _health_status(h)
+                health = _unavailable_body(await self.client.get("/health", timeout=10.0))
+                status = health.get("status")
                 if status == "failed":
                     raise BenchInputError(f"{self.url}: the server's engine failed: "
-                                          f"{_health_error(h) or 'see its log'}")
+                                          f"{health.get('error') or 'see its log'}")
                 if status != "loading":      # ready, or a server without this /health: go
                     break
                 if time.monotonic() >= deadline:

@@ -227,7 +227,7 @@ class _Run:
         return reqs, device, dtype
 
     def _run_http(self):
-        from .http_client import DEFAULT_READY_TIMEOUT_S, HttpTarget
+        from .http_client import HttpTarget
 
         opts, meta = self.opts, self.meta
         reqs, meta["workload"] = build_workload(opts, opts.is_audio_requested, _local_vocab_size(opts.model))
@@ -237,8 +237,7 @@ class _Run:
             c_max = max(opts.concurrency)
             target = HttpTarget(opts.url, opts.model, c_max, opts.streaming, beam_width=opts.beam_width)
             try:
-                ready = opts.ready_timeout_s if opts.ready_timeout_s is not None else DEFAULT_READY_TIMEOUT_S
-                await target.connect(ready, self.progress)
+                await target.connect(opts.ready_timeout_s, self.progress)
                 meta["model"] = target.model
                 k = opts.client_processes or auto_client_processes(c_max)
                 meta["client_processes"] = k
