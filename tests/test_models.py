@@ -209,6 +209,22 @@ def test_bad_load_format_is_named(bart):
         load_model(bart, None, None, torch.float32, "cpu", load_format="gguf")
 
 
+def test_loading_a_model_does_not_import_sympy(flan_t5):
+    """Every command's start-up loads a model; torch's meta-to-device copy (``to_empty``) would
+    import sympy on its first call, 0.29 s of a one-file ``enc2dec transcribe`` on 2 cores."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\n"
+            "from enc2dec.engine.runner.loader import load_model\n"
+            f"model = load_model({flan_t5!r}, None, None, torch.float32, 'cpu')\n"
+            "assert all(p.device.type == 'cpu' and p.dtype == torch.float32 for p in model.parameters())\n"
+            "print('sympy' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == "False"
+
+
 @pytest.mark.parametrize("name, enc_len", [("openai/whisper-tiny", 1000), ("google/flan-t5-small", 8)])
 @torch.no_grad()
 def test_dummy_known_config_runs_in_bf16(name, enc_len):

@@ -60,12 +60,19 @@ def load_model(model_dir_or_config, hf_config=None, backend=None, dtype: torch.d
     model_cls = get_model_class(hf_config)
     with torch.device("meta"), _default_dtype(dtype):
         model = model_cls(hf_config, backend, tp)
-    model = model.to_empty(device=device)
+    model = _materialise(model, device)
     if weight_files is None:
         init_dummy_weights(model)
     else:
         model.load_weights(iter_checkpoint(weight_files))
     return model.eval().requires_grad_(False)
+
+
+def _materialise(model: nn.Module, device) -> nn.Module:
+    """``model.to_empty(device=device)`` without its ``torch.empty_like`` of a meta tensor: that
+    goes through torch's Python meta functions, whose first call imports sympy (0.29 s of every
+    start-up on the CI machine type, more than a small model's whole load)."""
+    return model._apply(lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device))
 
 
 @contextlib.contextmanager
