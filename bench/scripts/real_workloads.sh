@@ -37,6 +37,8 @@
 #            C=64 and bart-large-cnn 384/128 C=128, each with the default budget and with the old
 #            unbounded admission (the variable at 8192): ITL p50 / p99 and out tok/s side by side
 # Every compared run has the same workload flags; dummy weights, bf16, one run each.
+# Requests a run: NUM_REQUESTS (128) for flan-t5-large and turbo, NUM_REQUESTS_WHISPER (512, or
+# NUM_REQUESTS where that is set) for whisper-large-v3, NUM_REQUESTS_BIG (256) for flan-t5-base and bart.
 #
 #   OUT=./gpu-out bash bench/scripts/real_workloads.sh [sampled whisper serve fast]
 #   STALL_LOG=1 ...: each run under bench/scripts/jit_log, its slow steps counted in the table
@@ -76,18 +78,22 @@ if [ -n "${SMOKE:-}" ]; then       # CPU: tiny models, a few short requests
   T5L=google/flan-t5-small T5B=google/flan-t5-small WH=openai/whisper-tiny WHT=openai/whisper-tiny
   BART=facebook/bart-large-cnn CBART=4 BTXT="--input-len 16 --output-len 8"
   DT=float32 C=4 CB=8 MIX=4 TXT="--input-len 16 --output-len 8" AUD="--audio-seconds 2 --output-len 6"
-  NUM=8 NUMB=8 FASTBASE=hf LIMIT=${LIMIT_S:-300}
+  NUM=8 NUMB=8 NUMW=8 FASTBASE=hf LIMIT=${LIMIT_S:-300}
 else
   T5L=google/flan-t5-large T5B=google/flan-t5-base WH=openai/whisper-large-v3 WHT=openai/whisper-large-v3-turbo
   BART=facebook/bart-large-cnn CBART=128 BTXT="--input-len 384 --output-len 128"
   DT=bfloat16 C=64 CB=256 MIX=64 TXT="--input-len 128 --output-len 128" AUD="--audio-seconds 30 --output-len 96"
   NUM=${NUM_REQUESTS:-128} NUMB=${NUM_REQUESTS_BIG:-256} FASTBASE=hf-compile LIMIT=${LIMIT_S:-90}
+  # whisper-large-v3 admits one clip a decoding step, so 128 requests at C=64 spend a third of the
+  # run filling the batch (48 rows a step on average, docs/benchmarks.md session 33); 512 measure
+  # the steady state for about 6 s more a run.
+  NUMW=${NUM_REQUESTS_WHISPER:-${NUM_REQUESTS:-512}}
 fi
 B="python -m enc2dec.cli.main bench"
 # One decoder row per request in flight: fewer CUDA-graph sizes to capture than the default 128.
 COMMON="--load-format dummy --dtype $DT --quiet --warmup 1 --max-batch-size $C"
 T5RUN="--model $T5L $COMMON $TXT --concurrency $C --num-requests $NUM"
-WHRUN="--model $WH $COMMON $AUD --concurrency $C --num-requests $NUM"
+WHRUN="--model $WH $COMMON $AUD --concurrency $C --num-requests $NUMW"
 
 left() { echo $((TOTAL_S - SECONDS)); }
 # STALL_LOG=1: every process of a run under bench/scripts/jit_log (slow engine steps with their
