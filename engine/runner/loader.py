@@ -71,7 +71,7 @@ def load_model(model_dir_or_config, hf_config=None, backend=None, dtype: torch.d
 def _materialise(model: nn.Module, device) -> nn.Module:
     """``model.to_empty(device=device)`` without its ``torch.empty_like`` of a meta tensor: that
     goes through torch's Python meta functions, whose first call imports sympy (0.29 s of every
-    start-up on the CI machine type, more than a small model's whole load)."""
+    start-up on the CI machine type)."""
     return model._apply(lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device))
 
 
