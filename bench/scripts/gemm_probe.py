@@ -12,7 +12,8 @@ at the copy rate ``--tbps``. ``--triton``: also a candidate with more programs t
 128-wide tiles give these shapes (a 1024 x 1024 product at 64 rows is 8 tiles on 132 SMs):
 ``BLOCK_M`` 64 rows by ``BLOCK_N`` 16-64 features, the K loop optionally split over ``SPLIT_K``
 programs that add into a zeroed float32 buffer (the zeroing and the cast to bf16 are timed with
-it), each configuration's time and the best per shape. A lab script (bench/scripts is not installed); needs a CUDA GPU.
+it), each configuration's time and the best per shape. Measured in session 33
+(docs/benchmarks.md): no faster than cuBLAS; a product's ~4 us here is fixed latency, not tiles. A lab script (bench/scripts is not installed); needs a CUDA GPU.
 """
 from __future__ import annotations
 
@@ -92,18 +93,18 @@ def main() -> None:
     backends = ["cublas", "cublaslt"]
     shown = backends + (["triton"] if a.triton else [])
     models = {m: MODELS[m] for m in a.models.split(",")}
+    row_counts = [int(r) for r in a.rows.split(",")]
     results, times = [], {}
     for n, k in sorted({(n, k) for shapes in models.values() for n, k, _ in shapes}):
         nbytes = n * k * 2
         weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
                    for _ in range(max(2, -(-L2_OVERFLOW_BYTES // nbytes)))]
-        for rows in map(int, a.rows.split(",")):
+        for rows in row_counts:
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             row = {"n": n, "k": k, "rows": rows, "bound_us": nbytes / (a.tbps * 1e6)}
             for be in backends:
                 torch.backends.cuda.preferred_blas_library(be)
                 row[be] = times[(n, k, rows, be)] = _time(lambda x, w: F.linear(x, w), weights, x)
-            torch.backends.cuda.preferred_blas_library("cublas")
             if a.triton:
                 ref = F.linear(x, weights[0]).float()
                 tiles = {}
@@ -123,10 +124,10 @@ def main() -> None:
                 f"{be} {row[be]:6.2f} us ({nbytes / row[be] / 1e6:.2f} TB/s)" for be in shown)
                 + (f"  best tile {row['tile_best']}" if a.triton else ""), flush=True)
         del weights
-    torch.backends.cuda.preferred_blas_library("cublas")
+    torch.backends.cuda.preferred_blas_library("cublas")     # torch's default again
     print(f"\n{'model':<18}{'rows':>5}{'bound ms':>10}" + "".join(f"{be + ' ms':>13}" for be in shown))
     for model, shapes in models.items():
-        for rows in map(int, a.rows.split(",")):
+        for rows in row_counts:
             bound = sum(n * k * 2 * c for n, k, c in shapes) / (a.tbps * 1e9)
             sums = [sum(times[(n, k, rows, be)] * c for n, k, c in shapes) / 1e3 for be in shown]
             print(f"{model:<18}{rows:>5}{bound:>10.3f}" + "".join(f"{s:>13.3f}" for s in sums))
