@@ -30,7 +30,8 @@
 #            variables and extra bench flags for that run), each against turbo-hfc's (wh-plain's)
 #            enc2dec figure of the same call; fp8-ab: whisper-large-v3 with --kv-cache-dtype fp8 the
 #            same way, against fp8's wh-fp8; t5-ab: flan-t5-large greedy the same way, against
-#            greedy's t5-greedy; bart-ab: bart-large-cnn 384/128 at C=128 (issue 19's row) the same
+#            greedy's t5-greedy; t5base-ab: flan-t5-base at C=256 the same way, no baseline (against
+#            t5base's enc2dec figure); bart-ab: bart-large-cnn 384/128 at C=128 (issue 19's row) the same
 #            way, no reference run (compare its entries in the summarize.py table)
 #   wh-rest  whisper-large-v3 --detect-language and 63 + 1 timestamped (the whisper section without plain and --timestamps, for a call that has run those)
 #   itl      the encoder budget of decoding steps (tuning.encoder_tokens_while_decoding): whisper-large-v3
@@ -188,7 +189,7 @@ for section in $SECTIONS; do
       run turbo-join$k-enc$b $LIMIT --model $WHT $COMMON $AUD --concurrency $C --num-requests $NUM
     done
     RUN_ENV= ;;
-  turbo-ab|wh-ab|fp8-ab|t5-ab|bart-ab)   # one run per AB entry (see the header); AB: NAME:ITEM,ITEM
+  turbo-ab|wh-ab|fp8-ab|t5-ab|bart-ab|t5base-ab)   # one run per AB entry (see the header); AB: NAME:ITEM,ITEM
     # entries, an item VAR=v (the run's environment) or --flag=v (one more bench flag, e.g.
     # --kv-cache-dtype=fp8)
     for spec in ${AB:-j3:ENC2DEC_ENCODER_JOIN_STEPS=3}; do
@@ -203,6 +204,8 @@ for section in $SECTIONS; do
         t5-ab) run t5-ab-${spec%%:*} $LIMIT $T5RUN "${ab_args[@]}" ;;
         bart-ab) run bart-ab-${spec%%:*} $LIMIT --model $BART ${COMMON/--max-batch-size $C/--max-batch-size $CBART} \
                    $BTXT --concurrency $CBART --num-requests $NUMB "${ab_args[@]}" ;;
+        t5base-ab) run t5base-ab-${spec%%:*} $LIMIT --model $T5B ${COMMON/--max-batch-size $C/--max-batch-size $CB} \
+                   $TXT --concurrency $CB --num-requests $NUMB "${ab_args[@]}" ;;
       esac
     done
     RUN_ENV= ;;
@@ -328,6 +331,8 @@ rows = [
       for p in sorted(work.glob("wh-fp8-ab-*.json"))],
     *[(f"t5 {p.stem[6:]} / greedy", ratio(level(p.stem), level("t5-greedy")), 1.0)
       for p in sorted(work.glob("t5-ab-*.json"))],
+    *[(f"flan-t5-base {p.stem[10:]} / t5base", ratio(level(p.stem), level("t5base-hfc", conc=cb)), 1.0)
+      for p in sorted(work.glob("t5base-ab-*.json"))],
     ("t5 lengths spread: beside / in step", ratio(level("t5-desync-beside"), level("t5-desync-instep")), 1.0),
     ("whisper lengths spread: beside / in step", ratio(level("wh-desync-beside"), level("wh-desync-instep")), 1.0),
     ("whisper fp8 KV / bf16 KV", ratio(level("wh-fp8"), level("wh-plain")), 12000 / 9000),
