@@ -143,6 +143,7 @@ TUNING_ENV = {
     "skinny_gemm": "ENC2DEC_SKINNY_GEMM",
     "fused_gemv": "ENC2DEC_FUSED_GEMV",
     "attn_min_keys_per_split": "ENC2DEC_ATTN_MIN_KEYS_PER_SPLIT",
+    "attn_last_split_merges": "ENC2DEC_ATTN_LAST_SPLIT_MERGES",
     "tp_timeout_s": "ENC2DEC_TP_TIMEOUT_S",
     "encoder_tokens_while_decoding": "ENC2DEC_ENCODER_TOKENS_WHILE_DECODING",
     "encoder_join_steps": "ENC2DEC_ENCODER_JOIN_STEPS",
@@ -161,6 +162,9 @@ class TuningConfig:
     skinny_gemm: bool = True              # one-row decode projections through the skinny GEMV (CUDA, triton)
     fused_gemv: bool = True               # pre-norms, MLP activations and K/V stores ride in that GEMV
     attn_min_keys_per_split: int = 32     # fewest keys a split-K paged-attention program gets
+    # The last split-K program of each (token, head) merges the splits, instead of a second
+    # kernel after the attention kernel: one launch fewer per attention call with splits.
+    attn_last_split_merges: bool = False
     tp_timeout_s: float = 600.0           # longest wait of a tensor-parallel collective or worker start-up
     # Encoder positions admitted in a step that also decodes running sequences. 0 (auto): one
     # clip for Whisper, so admitting requests costs the running ones at most one encoder pass of
@@ -201,7 +205,7 @@ class TuningConfig:
     def __post_init__(self):
         o = "tuning"
         for name in ("skinny_gemm", "fused_gemv", "encoder_beside_decoder", "encoder_batches_fit_graphs",
-                     "cross_kv_head_major", "cpu_greedy_head"):
+                     "cross_kv_head_major", "cpu_greedy_head", "attn_last_split_merges"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{o}.{name} must be true or false, got {getattr(self, name)!r}")
         _check_positive_int(o, "attn_min_keys_per_split", self.attn_min_keys_per_split)

@@ -25,8 +25,9 @@ from .reference import token_seq_index
 class TritonAttentionBackend:
     name = "triton"
 
-    def __init__(self, min_keys_per_split: int = MIN_KEYS_PER_SPLIT):
+    def __init__(self, min_keys_per_split: int = MIN_KEYS_PER_SPLIT, last_split_merges: bool = True):
         self.min_keys_per_split = min_keys_per_split     # split-K floor of the paged kernel (tuning)
+        self.last_split_merges = last_split_merges       # the splits merged in the same launch (tuning)
         self._enc_prep = None     # (meta, bias_table, dtype, prepared): one encoder forward's masks
 
     def encoder_attention(self, q, k, v, meta, scale: float,
@@ -85,11 +86,13 @@ class TritonAttentionBackend:
         splits = pick_num_splits(q.shape[0], q.shape[1], max(meta.seq_lens_host, default=0), q.device,
                                  self.min_keys_per_split)
         return paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                               scale, causal=True, bias_table=bias_table, num_splits=splits, kv_scales=kv_scales)
+                               scale, causal=True, bias_table=bias_table, num_splits=splits, kv_scales=kv_scales,
+                               last_split_merges=self.last_split_merges)
 
     def cross_attention(self, q, k_cache, v_cache, meta, scale: float, kv_scales=None) -> torch.Tensor:
         """Attention of q [N, H, D] over each request's encoder K/V (no mask beyond enc_len)."""
         splits = pick_num_splits(q.shape[0], q.shape[1], max(meta.enc_lens_host, default=0), q.device,
                                  self.min_keys_per_split)
         return paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.enc_lens,
-                               meta.cross_block_tables, scale, causal=False, num_splits=splits, kv_scales=kv_scales)
+                               meta.cross_block_tables, scale, causal=False, num_splits=splits, kv_scales=kv_scales,
+                               last_split_merges=self.last_split_merges)

@@ -39,16 +39,16 @@ _PROGRAMS_PER_SM = 16
 
 @lazy_jit(do_not_specialize=("num_seqs", "num_search_steps"))   # eager steps vary them
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, m_ptr, l_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, m_ptr, l_ptr, final_ptr, arrivals_ptr,
     qsl_ptr, kv_lens_ptr, block_tables_ptr, bias_ptr, k_scale_ptr, v_scale_ptr,
     num_seqs, num_search_steps, scale_log2, bias_len,
     stride_qn, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
-    stride_on, stride_oh, stride_os,
+    stride_on, stride_oh, stride_os, stride_fn, stride_fh,
     stride_bt, stride_bias_h, stride_sb, stride_st, stride_sh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    TOKENS_PER_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    TOKENS_PER_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr, LAST_MERGES: tl.constexpr, BLOCK_S: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, FP8: tl.constexpr,
 ):
     tok = tl.program_id(0)
@@ -146,9 +146,47 @@ def _paged_attention_kernel(
     else:
         # Un-normalised partials; m_ptr/l_ptr are [N, H, NUM_SPLITS] contiguous.
         tl.store(out_row + split * stride_os + offs_d, acc, mask=mask_d)
-        stat = (tok * tl.num_programs(1) + head) * NUM_SPLITS + split
+        token_head = tok * tl.num_programs(1) + head
+        stat = token_head * NUM_SPLITS + split
         tl.store(m_ptr + stat, m_i)
         tl.store(l_ptr + stat, l_i)
+        if LAST_MERGES:
+            # The last split of a (token, head) to finish merges them all, so a step launches
+            # no merge kernel. The release half of the count orders this program's partial
+            # stores before it; the acquire half lets the last one read every other's. The
+            # last one also puts the count back to zero, ready for the next launch.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(arrivals_ptr + token_head, 1, sem="acq_rel", scope="gpu")
+            if arrived == NUM_SPLITS - 1:
+                _merge_partials(out_ptr + tok * stride_on + head * stride_oh, stride_os,
+                                m_ptr + token_head * NUM_SPLITS, l_ptr + token_head * NUM_SPLITS,
+                                final_ptr + tok * stride_fn + head * stride_fh,
+                                HEAD_DIM, BLOCK_D, NUM_SPLITS, BLOCK_S, True)
+                tl.store(arrivals_ptr + token_head, 0)
+
+
+@lazy_jit.helper
+def _merge_partials(part_row, stride_ps, m_row, l_row, out_row,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                    BLOCK_S: tl.constexpr, FROM_L2: tl.constexpr):
+    # One (token, head)'s output from its splits' un-normalised partials; FROM_L2 reads past the
+    # SM's L1, whose lines may predate another program's stores.
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < NUM_SPLITS
+    mask_d = offs_d < HEAD_DIM
+    cache: tl.constexpr = ".cg" if FROM_L2 else ""
+    m = tl.load(m_row + offs_s, mask=mask_s, other=float("-inf"), cache_modifier=cache)   # [BLOCK_S]
+    l = tl.load(l_row + offs_s, mask=mask_s, other=0.0, cache_modifier=cache)
+    has_keys = m > float("-inf")
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max > float("-inf"), m_max, 0.0)
+    w = tl.where(has_keys, tl.exp2(tl.where(has_keys, m, m_max) - m_max), 0.0)   # [BLOCK_S]
+    part = tl.load(part_row + offs_s[:, None] * stride_ps + offs_d[None, :],
+                   mask=mask_s[:, None] & mask_d[None, :], other=0.0, cache_modifier=cache)
+    total = tl.sum(w * l, axis=0)
+    out = tl.sum(w[:, None] * part, axis=0) / tl.where(total > 0, total, 1.0)   # [BLOCK_D]
+    tl.store(out_row + offs_d, out.to(out_row.dtype.element_ty), mask=mask_d)
 
 
 @lazy_jit
@@ -159,23 +197,31 @@ def _merge_splits_kernel(
 ):
     tok = tl.program_id(0)
     head = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_s = offs_s < NUM_SPLITS
-    mask_d = offs_d < HEAD_DIM
-    stat = (tok * tl.num_programs(1) + head) * NUM_SPLITS + offs_s
-    m = tl.load(m_ptr + stat, mask=mask_s, other=float("-inf"))             # [BLOCK_S]
-    l = tl.load(l_ptr + stat, mask=mask_s, other=0.0)
-    has_keys = m > float("-inf")
-    m_max = tl.max(m, axis=0)
-    m_max = tl.where(m_max > float("-inf"), m_max, 0.0)
-    w = tl.where(has_keys, tl.exp2(tl.where(has_keys, m, m_max) - m_max), 0.0)   # [BLOCK_S]
-    part = tl.load(part_ptr + tok * stride_pn + head * stride_ph + offs_s[:, None] * stride_ps
-                   + offs_d[None, :], mask=mask_s[:, None] & mask_d[None, :], other=0.0)
-    total = tl.sum(w * l, axis=0)
-    out = tl.sum(w[:, None] * part, axis=0) / tl.where(total > 0, total, 1.0)   # [BLOCK_D]
-    tl.store(out_ptr + tok * stride_on + head * stride_oh + offs_d,
-             out.to(out_ptr.dtype.element_ty), mask=mask_d)
+    token_head = tok * tl.num_programs(1) + head
+    _merge_partials(part_ptr + tok * stride_pn + head * stride_ph, stride_ps,
+                    m_ptr + token_head * NUM_SPLITS, l_ptr + token_head * NUM_SPLITS,
+                    out_ptr + tok * stride_on + head * stride_oh,
+                    HEAD_DIM, BLOCK_D, NUM_SPLITS, BLOCK_S, False)
+
+
+# Per device, the arrival counts of the split programs of each (token, head): zero between
+# launches (each launch's last arrivals put theirs back). Grown outside CUDA-graph capture only,
+# and never freed, since a captured graph keeps the address it was captured with.
+_ARRIVALS: dict[torch.device, list[torch.Tensor]] = {}
+_MIN_ARRIVALS = 1 << 15
+
+
+def _arrival_counts(device: torch.device, needed: int) -> torch.Tensor | None:
+    """Zeroed int32 counts for ``needed`` (token, head) pairs, or None when none is big enough
+    and one cannot be made now (inside a graph capture: the caller merges with its own kernel)."""
+    held = _ARRIVALS.setdefault(device, [])
+    if held and held[-1].numel() >= needed:
+        return held[-1]
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    held.append(torch.zeros(max(needed, _MIN_ARRIVALS, 2 * held[-1].numel() if held else 0),
+                            dtype=torch.int32, device=device))
+    return held[-1]
 
 
 @functools.cache
@@ -218,7 +264,8 @@ def pick_num_splits(num_tokens: int, num_heads: int, max_kv_len: int, device: to
 def paged_attention(q, k_cache, v_cache, query_start_loc, kv_lens, block_tables, scale: float, *,
                     causal: bool, bias_table: torch.Tensor | None = None,
                     out: torch.Tensor | None = None, num_splits: int | None = None,
-                    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    last_split_merges: bool = True) -> torch.Tensor:
     """Attention of packed queries over paged K/V; returns ``out`` ``[N, H, D]`` (q's dtype).
 
     q: [N, H, D]; k_cache, v_cache: [num_blocks, tokens_per_block, H, D];
@@ -228,6 +275,9 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, kv_lens, block_tables,
     ``num_splits`` None picks by occupancy from the block-table width (callers with
     host-side lengths pass ``pick_num_splits(...)``); results do not depend on it.
     ``kv_scales``: (k_scale, v_scale) [num_blocks, tokens_per_block, H] float16 of an FP8 pool.
+    ``last_split_merges``: with splits, the last split of each (token, head) to finish merges
+    them (one launch) instead of a second kernel; calls that share a device must then not run
+    at the same time on different streams (they share the arrival counts).
     """
     if not can_use_triton(q, k_cache, v_cache, block_tables):
         return paged_attention_ref(q, k_cache, v_cache, query_start_loc, kv_lens, block_tables, scale,
@@ -251,12 +301,15 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, kv_lens, block_tables,
     k_scale, v_scale = kv_scales if fp8 else (q, q)                          # q: dummy pointers
     if fp8:
         assert k_scale.shape == v_scale.shape == k_cache.shape[:3] and k_scale.stride() == v_scale.stride()
+    arrivals = None
     if num_splits > 1:
         part = torch.empty((num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32,
                            device=q.device)                                 # [N, H, splits, D]
         m = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device)
         l = torch.empty_like(m)
         dst, stride_os = part, part.stride(2)
+        if last_split_merges:
+            arrivals = _arrival_counts(q.device, num_tokens * num_heads)
     else:
         part = m = l = None
         dst, stride_os = out, 0
@@ -265,19 +318,20 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, kv_lens, block_tables,
     search_steps = max(1, num_seqs).bit_length() + 1
     _paged_attention_kernel[(num_tokens, num_heads, num_splits)](
         q, k_cache, v_cache, dst, m if m is not None else dst, l if l is not None else dst,
+        out, arrivals if arrivals is not None else query_start_loc,
         query_start_loc, kv_lens, block_tables, bias, k_scale, v_scale,
         num_seqs, search_steps, scale * _LOG2E, bias_table.shape[1] if has_bias else 1,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        dst.stride(0), dst.stride(1), stride_os,
+        dst.stride(0), dst.stride(1), stride_os, out.stride(0), out.stride(1),
         block_tables.stride(0), bias.stride(0) if has_bias else 0,
         k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0, k_scale.stride(2) if fp8 else 0,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, TOKENS_PER_BLOCK=tokens_per_block,
-        NUM_SPLITS=num_splits, CAUSAL=causal, HAS_BIAS=has_bias, FP8=fp8, num_warps=num_warps,
+        NUM_SPLITS=num_splits, LAST_MERGES=arrivals is not None, BLOCK_S=_next_pow2(num_splits), CAUSAL=causal, HAS_BIAS=has_bias, FP8=fp8, num_warps=num_warps,
         num_stages=num_stages,
     )
-    if num_splits > 1:
+    if num_splits > 1 and arrivals is None:
         _merge_splits_kernel[(num_tokens, num_heads)](
             part, m, l, out, part.stride(0), part.stride(1), part.stride(2), out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,

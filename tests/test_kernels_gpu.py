@@ -58,6 +58,30 @@ def test_paged_attention_cuda(dtype, name, num_seqs, max_len, heads, head_dim, t
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_attention_last_split_merges_in_a_cuda_graph(dtype):
+    """Split-K attention whose last split merges, captured once and replayed over new queries
+    (its arrival counts made before the capture and back at zero after every replay): each
+    replay equals the eager two-kernel result bit for bit."""
+    from enc2dec.kernels.paged_attention import paged_attention
+
+    case = make_paged_case([1500] * 48, [1] * 48, 20, 64, tokens_per_block=16, dtype=dtype, device="cuda", seed=5)
+    args = [case[k] for k in ("q", "k_cache", "v_cache", "query_start_loc", "kv_lens", "block_tables")]
+    q = args[0]
+    out = torch.empty_like(q)
+    paged_attention(*args, 0.125, causal=False, num_splits=4, out=out)         # warm-up: compiles, sizes the counts
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_attention(*args, 0.125, causal=False, num_splits=4, out=out, last_split_merges=True)
+    for seed in range(3):
+        q.copy_(torch.randn(q.shape, generator=torch.Generator().manual_seed(seed)).to(dtype).cuda())
+        graph.replay()
+        want = paged_attention(*args, 0.125, causal=False, num_splits=4, last_split_merges=False)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all() and torch.equal(out, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_store_kv_cuda(dtype):
     n, heads, head_dim, tpb, blocks = 4096, 16, 64, 16, 512
     kv = torch.randn(n, 2, heads, head_dim, device="cuda", dtype=dtype)

@@ -154,10 +154,11 @@ class KVCache:
                        [layer(num_cross_blocks, cross_major) for _ in range(num_layers)])
 
 
-def get_attention_backend(name: str, min_keys_per_split: int = 32):
-    """``min_keys_per_split``: the triton backend's split-K floor (``TuningConfig``)."""
+def get_attention_backend(name: str, min_keys_per_split: int = 32, last_split_merges: bool = True):
+    """``min_keys_per_split``, ``last_split_merges``: the triton backend's split-K options
+    (``TuningConfig``)."""
     name = canonical_backend_name(name)
     if name == "torch":
         return TorchAttentionBackend()
     from enc2dec.kernels.backend import TritonAttentionBackend  # lazy: triton is optional
-    return TritonAttentionBackend(min_keys_per_split)
+    return TritonAttentionBackend(min_keys_per_split, last_split_merges)
