@@ -110,6 +110,10 @@ def _cases():
         return [(label, paged_attention, lambda: paged_attention.paged_attention(
                     rand(rows, heads, 64), k, v, qsl, lens, tables, 0.125, causal=False, num_splits=2,
                     kv_scales=scales)),
+                (f"{label}, splits merged by a second kernel", paged_attention,
+                 lambda: paged_attention.paged_attention(
+                    rand(rows, heads, 64), k, v, qsl, lens, tables, 0.125, causal=False, num_splits=2,
+                    kv_scales=scales, last_split_merges=False)),
                 (f"store of {label}", kv_store, lambda: kv_store.store_kv(
                     rand(300, heads, 64), rand(300, heads, 64), k, v, torch.arange(300, dtype=torch.int64),
                     kv_scales=scales))]
