@@ -163,8 +163,9 @@ class TuningConfig:
     fused_gemv: bool = True               # pre-norms, MLP activations and K/V stores ride in that GEMV
     attn_min_keys_per_split: int = 32     # fewest keys a split-K paged-attention program gets
     # The last split-K program of each (token, head) merges the splits, instead of a second
-    # kernel after the attention kernel: one launch fewer per attention call with splits.
-    attn_last_split_merges: bool = False
+    # kernel after the attention kernel: one launch fewer per attention call with splits (48 a
+    # flan-t5-large step; docs/benchmarks.md, session 34).
+    attn_last_split_merges: bool = True
     tp_timeout_s: float = 600.0           # longest wait of a tensor-parallel collective or worker start-up
     # Encoder positions admitted in a step that also decodes running sequences. 0 (auto): one
     # clip for Whisper, so admitting requests costs the running ones at most one encoder pass of

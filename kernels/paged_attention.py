@@ -7,8 +7,9 @@ everything again after a preemption). Its keys are ``[0, kv_len)``: for causal
 self-attention ``kv_len = q_pos + 1`` with ``q_pos = seq_len - q_len + i``; for cross
 attention ``kv_len = enc_len``. With ``num_splits > 1`` the keys are cut into that many
 equal chunks per token (chunk sizes follow each sequence's own length, so a graph captured
-with one ``num_splits`` stays correct for any lengths), and a second kernel merges the
-partial softmaxes.
+with one ``num_splits`` stays correct for any lengths), and the last split of each (token,
+head) to finish merges the partial softmaxes (or, with ``last_split_merges=False``, a second
+kernel does).
 
 Scores are ``scale * q.k + bias[h, q_pos - k_pos]`` in fp32 (exp2 with log2(e) folded
 in); inputs fp32/fp16/bf16, or an FP8 pool (e4m3 with a float16 scale per position and
