@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .kv_store import store_kv
-from .paged_attention import MIN_KEYS_PER_SPLIT, paged_attention, pick_num_splits
+from .paged_attention import MIN_KEYS_PER_SPLIT, SplitArrivals, paged_attention, pick_num_splits
 from .reference import token_seq_index
 
 
@@ -28,6 +28,7 @@ class TritonAttentionBackend:
     def __init__(self, min_keys_per_split: int = MIN_KEYS_PER_SPLIT, last_split_merges: bool = True):
         self.min_keys_per_split = min_keys_per_split     # split-K floor of the paged kernel (tuning)
         self.last_split_merges = last_split_merges       # the splits merged in the same launch (tuning)
+        self.arrivals = SplitArrivals()     # this engine's own: its decode steps never overlap each other
         self._enc_prep = None     # (meta, bias_table, dtype, prepared): one encoder forward's masks
 
     def encoder_attention(self, q, k, v, meta, scale: float,
@@ -87,7 +88,7 @@ class TritonAttentionBackend:
                                  self.min_keys_per_split)
         return paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                                scale, causal=True, bias_table=bias_table, num_splits=splits, kv_scales=kv_scales,
-                               last_split_merges=self.last_split_merges)
+                               last_split_merges=self.last_split_merges, arrivals=self.arrivals)
 
     def cross_attention(self, q, k_cache, v_cache, meta, scale: float, kv_scales=None) -> torch.Tensor:
         """Attention of q [N, H, D] over each request's encoder K/V (no mask beyond enc_len)."""
@@ -95,4 +96,4 @@ class TritonAttentionBackend:
                                  self.min_keys_per_split)
         return paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.enc_lens,
                                meta.cross_block_tables, scale, causal=False, num_splits=splits, kv_scales=kv_scales,
-                               last_split_merges=self.last_split_merges)
+                               last_split_merges=self.last_split_merges, arrivals=self.arrivals)

@@ -205,24 +205,32 @@ def _merge_splits_kernel(
                     HEAD_DIM, BLOCK_D, NUM_SPLITS, BLOCK_S, False)
 
 
-# Per device, the arrival counts of the split programs of each (token, head): zero between
-# launches (each launch's last arrivals put theirs back). Grown outside CUDA-graph capture only,
-# and never freed, since a captured graph keeps the address it was captured with.
-_ARRIVALS: dict[torch.device, list[torch.Tensor]] = {}
-_MIN_ARRIVALS = 1 << 15
+class SplitArrivals:
+    """The arrival counts of the split programs of each (token, head), per device: zero between
+    launches (each launch's last arrivals put theirs back). Grown outside CUDA-graph capture only,
+    and never freed, since a captured graph keeps the address it was captured with. Launches
+    that share one must not run at the same time (on two streams): each engine's attention
+    backend holds its own."""
 
+    MIN_PAIRS = 1 << 15
 
-def _arrival_counts(device: torch.device, needed: int) -> torch.Tensor | None:
-    """Zeroed int32 counts for ``needed`` (token, head) pairs, or None when none is big enough
-    and one cannot be made now (inside a graph capture: the caller merges with its own kernel)."""
-    held = _ARRIVALS.setdefault(device, [])
-    if held and held[-1].numel() >= needed:
+    def __init__(self):
+        self.held: dict[torch.device, list[torch.Tensor]] = {}
+
+    def counts(self, device: torch.device, needed: int) -> torch.Tensor | None:
+        """Zeroed int32 counts for ``needed`` pairs, or None when none is big enough and one
+        cannot be made now (inside a graph capture: the caller merges with its own kernel)."""
+        held = self.held.setdefault(device, [])
+        if held and held[-1].numel() >= needed:
+            return held[-1]
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        held.append(torch.zeros(max(needed, self.MIN_PAIRS, 2 * held[-1].numel() if held else 0),
+                                dtype=torch.int32, device=device))
         return held[-1]
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return None
-    held.append(torch.zeros(max(needed, _MIN_ARRIVALS, 2 * held[-1].numel() if held else 0),
-                            dtype=torch.int32, device=device))
-    return held[-1]
+
+
+_SHARED_ARRIVALS = SplitArrivals()      # for calls that bring none (tests, scripts)
 
 
 @functools.cache
@@ -266,7 +274,7 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, kv_lens, block_tables,
                     causal: bool, bias_table: torch.Tensor | None = None,
                     out: torch.Tensor | None = None, num_splits: int | None = None,
                     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    last_split_merges: bool = True) -> torch.Tensor:
+                    last_split_merges: bool = True, arrivals: SplitArrivals | None = None) -> torch.Tensor:
     """Attention of packed queries over paged K/V; returns ``out`` ``[N, H, D]`` (q's dtype).
 
     q: [N, H, D]; k_cache, v_cache: [num_blocks, tokens_per_block, H, D];
@@ -277,8 +285,8 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, kv_lens, block_tables,
     host-side lengths pass ``pick_num_splits(...)``); results do not depend on it.
     ``kv_scales``: (k_scale, v_scale) [num_blocks, tokens_per_block, H] float16 of an FP8 pool.
     ``last_split_merges``: with splits, the last split of each (token, head) to finish merges
-    them (one launch) instead of a second kernel; calls that share a device must then not run
-    at the same time on different streams (they share the arrival counts).
+    them (one launch) instead of a second kernel, counting arrivals in ``arrivals`` (None: a
+    module-wide one; calls that share one must not run at the same time on two streams).
     """
     if not can_use_triton(q, k_cache, v_cache, block_tables):
         return paged_attention_ref(q, k_cache, v_cache, query_start_loc, kv_lens, block_tables, scale,
@@ -302,7 +310,7 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, kv_lens, block_tables,
     k_scale, v_scale = kv_scales if fp8 else (q, q)                          # q: dummy pointers
     if fp8:
         assert k_scale.shape == v_scale.shape == k_cache.shape[:3] and k_scale.stride() == v_scale.stride()
-    arrivals = None
+    counts = None
     if num_splits > 1:
         part = torch.empty((num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32,
                            device=q.device)                                 # [N, H, splits, D]
@@ -310,7 +318,7 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, kv_lens, block_tables,
         l = torch.empty_like(m)
         dst, stride_os = part, part.stride(2)
         if last_split_merges:
-            arrivals = _arrival_counts(q.device, num_tokens * num_heads)
+            counts = (arrivals or _SHARED_ARRIVALS).counts(q.device, num_tokens * num_heads)
     else:
         part = m = l = None
         dst, stride_os = out, 0
@@ -319,7 +327,7 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, kv_lens, block_tables,
     search_steps = max(1, num_seqs).bit_length() + 1
     _paged_attention_kernel[(num_tokens, num_heads, num_splits)](
         q, k_cache, v_cache, dst, m if m is not None else dst, l if l is not None else dst,
-        out, arrivals if arrivals is not None else query_start_loc,
+        out, counts if counts is not None else query_start_loc,
         query_start_loc, kv_lens, block_tables, bias, k_scale, v_scale,
         num_seqs, search_steps, scale * _LOG2E, bias_table.shape[1] if has_bias else 1,
         q.stride(0), q.stride(1),
@@ -329,10 +337,10 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, kv_lens, block_tables,
         block_tables.stride(0), bias.stride(0) if has_bias else 0,
         k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0, k_scale.stride(2) if fp8 else 0,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, TOKENS_PER_BLOCK=tokens_per_block,
-        NUM_SPLITS=num_splits, LAST_MERGES=arrivals is not None, BLOCK_S=_next_pow2(num_splits), CAUSAL=causal, HAS_BIAS=has_bias, FP8=fp8, num_warps=num_warps,
+        NUM_SPLITS=num_splits, LAST_MERGES=counts is not None, BLOCK_S=_next_pow2(num_splits), CAUSAL=causal, HAS_BIAS=has_bias, FP8=fp8, num_warps=num_warps,
         num_stages=num_stages,
     )
-    if num_splits > 1 and arrivals is None:
+    if num_splits > 1 and counts is None:
         _merge_splits_kernel[(num_tokens, num_heads)](
             part, m, l, out, part.stride(0), part.stride(1), part.stride(2), out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,

@@ -130,7 +130,7 @@ def test_paged_attention_last_split_merges_as_the_merge_kernel(causal, splits):
         one_kernel = paged_attention(*args, 0.125, causal=causal, bias_table=bias, num_splits=splits,
                                      last_split_merges=True)
         assert torch.equal(one_kernel, two_kernels)
-        assert not pa._ARRIVALS[one_kernel.device][-1].any()
+        assert not pa._SHARED_ARRIVALS.held[one_kernel.device][-1].any()
 
 def _head_major(cache: torch.Tensor) -> torch.Tensor:
     """The same values stored [heads, blocks, positions(, head_dim)], seen in the usual shape
