@@ -113,13 +113,13 @@ def test_paged_attention_whisper_length_cross(splits):
     check_paged(case, causal=False, use_bias=False, num_splits=splits)
 
 
-
 @pytest.mark.parametrize("causal,splits", [(True, 4), (False, 2), (False, 16)])
 def test_paged_attention_last_split_merges_as_the_merge_kernel(causal, splits):
     """The last split of each (token, head) merging in the same launch gives the merge kernel's
     output bit for bit, launch after launch (its arrival counts are back at zero after each)."""
-    from enc2dec.kernels import paged_attention as pa
+    from enc2dec.kernels.paged_attention import SplitArrivals
 
+    arrivals = SplitArrivals()
     case = make_paged_case([1500, 90, 7, 300], [1, 1, 2, 1], 3, 64, seed=21)
     args = [case[k] for k in ("q", "k_cache", "v_cache", "query_start_loc", "kv_lens", "block_tables")]
     bias = case["bias"] if causal else None
@@ -128,9 +128,10 @@ def test_paged_attention_last_split_merges_as_the_merge_kernel(causal, splits):
     assert_close(two_kernels, ref.paged_attention_ref(*args, 0.125, causal=causal, bias_table=bias), torch.float32)
     for _ in range(2):
         one_kernel = paged_attention(*args, 0.125, causal=causal, bias_table=bias, num_splits=splits,
-                                     last_split_merges=True)
+                                     last_split_merges=True, arrivals=arrivals)
         assert torch.equal(one_kernel, two_kernels)
-        assert not pa._SHARED_ARRIVALS.held[one_kernel.device][-1].any()
+        assert not arrivals.held[one_kernel.device][-1].any()
+
 
 def _head_major(cache: torch.Tensor) -> torch.Tensor:
     """The same values stored [heads, blocks, positions(, head_dim)], seen in the usual shape
