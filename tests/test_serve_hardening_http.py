@@ -168,6 +168,12 @@ def test_8_a_body_left_half_sent_times_out_and_idle_connections_close(server):
     assert server.app.state.http.num_active == 0      # nothing left holding up a drain
 
 
+def _num_running(url: str) -> float:
+    """The engine's running requests, as serve's /metrics reports them."""
+    text = httpx.get(url + "/metrics").text
+    return float(next(ln.split()[-1] for ln in text.splitlines() if ln.startswith("enc2dec_num_requests_running")))
+
+
 def test_7_drain_ends_within_the_timeout_cuts_streams_cleanly_and_exits_1(t5_relu):
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     drain_s = 3.0
@@ -192,6 +198,11 @@ def test_7_drain_ends_within_the_timeout_cuts_streams_cleanly_and_exits_1(t5_rel
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
             events = r.iter_lines()
             first = next(e for e in events if e.startswith("data:"))
+            # The plain request's thread may not have reached the server yet: the drain must begin
+            # with both requests running, or the plain one is refused as new instead of cut.
+            while _num_running(url) < 2:
+                assert time.monotonic() < deadline and waiter.is_alive(), "".join(lines)
+                time.sleep(0.05)
             proc.send_signal(signal.SIGTERM)
             t0 = time.monotonic()
             rest = [first] + [e for e in events if e.startswith("data:")]
