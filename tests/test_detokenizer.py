@@ -92,10 +92,56 @@ def test_the_direct_decode_is_the_tokenizers_own_decode(family, skip, request):
     decode = plain_decoder(tok, skip)
     rng = random.Random(0)
     special = sorted(tok.all_special_ids)
+    if family == "whisper":     # timestamp tokens (filtered from the text) and the prompt marker (strips a prompt)
+        special += tok.convert_tokens_to_ids(["<|0.00|>", "<|7.40|>", "<|30.00|>", "<|startofprev|>"])
     text_ids = tok.encode("Grüße aus Köln, the cat sat on the mat. 日本語!", add_special_tokens=False)
-    for _ in range(200):
+    for _ in range(400):
         ids = [rng.choice(special) if special and rng.random() < 0.2 else
                rng.choice(text_ids) if rng.random() < 0.5 else rng.randrange(len(tok)) for _ in range(rng.randrange(1, 16))]
         assert decode(ids) == tok.decode(ids, skip_special_tokens=skip), ids
-    # The families whose tokenizer class adds nothing take the direct call; Whisper's does not.
-    assert decode.func == (tok.backend_tokenizer.decode if family != "whisper" else tok.decode)
+    # Every family takes a direct path: the Rust call itself where the class adds nothing to it,
+    # Whisper's filtered Rust call otherwise; none goes through tokenizer.decode.
+    if family != "whisper":
+        assert decode.func == tok.backend_tokenizer.decode
+    assert getattr(decode, "func", None) != tok.decode
+
+
+def test_a_tokenizer_whose_decode_differs_from_the_direct_call_keeps_its_decode(flan_t5):
+    # A class that changes decode's text in a way no direct path redoes keeps its own decode, so
+    # a stream's text never drifts from what decode() gives.
+    from pathlib import Path
+
+    from transformers import PreTrainedTokenizerFast
+
+    from enc2dec.engine.inputs.detokenizer import IncrementalDetokenizer, plain_decoder
+
+    class Shouting(PreTrainedTokenizerFast):
+        def _decode(self, *args, **kwargs):
+            return super()._decode(*args, **kwargs).upper()
+
+    tok = Shouting(tokenizer_file=str(Path(flan_t5) / "tokenizer.json"), clean_up_tokenization_spaces=False)
+    decode = plain_decoder(tok, True)
+    assert decode.func == tok.decode
+    ids = tok.encode("the cat sat on the mat", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok)
+    streamed = "".join(detok.add([i]) for i in ids) + detok.finish(ids)
+    assert streamed == "THE CAT SAT ON THE MAT" and not detok.rewritten
+
+
+def test_whisper_streams_drop_timestamp_tokens_and_prompts_as_decode_does(whisper):
+    # Whisper's decode removes the timestamp tokens' text and, skipping special tokens, a prompt
+    # (<|startofprev|> ... <|startoftranscript|>): a stream fed those ids gives decode's text.
+    from transformers import AutoTokenizer
+
+    from enc2dec.engine.inputs.detokenizer import IncrementalDetokenizer
+
+    tok = AutoTokenizer.from_pretrained(whisper)
+    ts = tok.convert_tokens_to_ids(["<|0.00|>", "<|1.20|>", "<|2.40|>"])
+    words = tok.encode(" the cat sat on the mat, then it slept", add_special_tokens=False)
+    prompt = tok.convert_tokens_to_ids(["<|startofprev|>"]) + tok.encode(" earlier words", add_special_tokens=False)
+    sot = tok.convert_tokens_to_ids(["<|startoftranscript|>"])
+    for ids in ([ts[0]] + words[:5] + [ts[1], ts[1]] + words[5:] + [ts[2]], prompt + sot + words):
+        detok = IncrementalDetokenizer(tok)
+        streamed = "".join(detok.add([i]) for i in ids) + detok.finish(ids)
+        assert streamed == detok.text == tok.decode(ids, skip_special_tokens=True), ids
+        assert "<|" not in streamed and not detok.rewritten

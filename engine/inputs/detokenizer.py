@@ -2,28 +2,115 @@
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 
 
 def plain_decoder(tokenizer, skip_special_tokens: bool) -> Callable[[list[int]], str]:
     """``ids -> tokenizer.decode(ids, skip_special_tokens=...)``, through the Rust tokenizer
-    directly where that is all ``decode`` does. A streamed sequence decodes every step, and
-    ``decode``'s argument handling costs 2.5-3x the decode itself (4.0 against 1.4 us for a T5
-    or BART window of 12 ids): with hundreds of streams that is a share of the host's step.
-    The direct call is taken only for a fast tokenizer whose class overrides neither
-    ``decode`` nor ``_decode`` (Whisper's does: timestamps, prompts) and that does no
-    clean-up of the decoded text; anything else goes through ``decode``."""
+    directly where the class adds nothing that can be redone cheaply. A streamed sequence decodes
+    every step, and ``decode``'s Python layers cost 2.5-10x the Rust decode itself (4.0 against
+    1.4 us for a T5 or BART window of 12 ids; 9.8 us a token for Whisper's, whose class strips
+    prompts and timestamp tokens around it): with hundreds of streams that is a share of the
+    host's step. Made once per tokenizer and flag (cached).
+
+    - A fast tokenizer whose class overrides neither ``decode`` nor ``_decode`` and does no
+      clean-up of the decoded text: the Rust decode, as is.
+    - Whisper's class (``WhisperTokenizer`` as transformers has it, not a subclass that changes
+      it) and a plain class that cleans up spaces: the Rust decode followed by what the class
+      does to its text (timestamp tokens filtered out, the clean-up), taken only if it gives
+      ``decode``'s text on a probe of windows (special, timestamp and punctuation ids: what
+      transformers' versions differ in); a window holding Whisper's prompt token goes to
+      ``decode`` (it strips the prompt).
+    Anything else goes through ``decode``."""
+    key = bool(skip_special_tokens)
+    try:
+        cached = _DECODERS.get(tokenizer)
+    except TypeError:                       # not weakly referable: no cache
+        return _make_decoder(tokenizer, key)
+    if cached is None:
+        cached = _DECODERS[tokenizer] = {}
+    if key not in cached:
+        cached[key] = _make_decoder(tokenizer, key)
+    return cached[key]
+
+
+_DECODERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _make_decoder(tokenizer, skip_special_tokens: bool) -> Callable[[list[int]], str]:
     slow = functools.partial(tokenizer.decode, skip_special_tokens=skip_special_tokens)
     try:
         from transformers import PreTrainedTokenizerFast
     except ImportError:
         return slow
     cls, backend = type(tokenizer), getattr(tokenizer, "backend_tokenizer", None)
-    if (backend is None or not isinstance(tokenizer, PreTrainedTokenizerFast)
-            or cls.decode is not PreTrainedTokenizerFast.decode or cls._decode is not PreTrainedTokenizerFast._decode
-            or getattr(tokenizer, "clean_up_tokenization_spaces", True)):
+    if backend is None or not isinstance(tokenizer, PreTrainedTokenizerFast):
         return slow
-    return functools.partial(backend.decode, skip_special_tokens=skip_special_tokens)
+    direct = functools.partial(backend.decode, skip_special_tokens=skip_special_tokens)
+    plain = cls.decode is PreTrainedTokenizerFast.decode and cls._decode is PreTrainedTokenizerFast._decode
+    if plain and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return direct
+    cleanup = getattr(tokenizer, "clean_up_tokenization", None)
+    if plain:
+        candidates = [direct] + ([lambda ids: cleanup(direct(ids))] if cleanup is not None else [])
+    else:
+        whisper = _whisper_decoders(tokenizer, cls, direct, cleanup, slow, skip_special_tokens)
+        if whisper is None:
+            return slow
+        candidates = whisper
+    probe = _probe_windows(tokenizer)
+    for fast in candidates:
+        if all(fast(ids) == slow(ids) for ids in probe):
+            return fast
+    return slow
+
+
+def _whisper_decoders(tokenizer, cls, direct, cleanup, slow, skip_special_tokens: bool):
+    """Whisper's ``decode`` is the plain decode with the prompt (``<|startofprev|>`` ... up to
+    ``<|startoftranscript|>``) stripped first when skipping special tokens and the timestamp tokens'
+    text removed after: the candidates redo the second, and hand a window with the first to it."""
+    try:
+        from transformers.models.whisper.tokenization_whisper import WhisperTokenizer
+    except ImportError:
+        return None
+    pattern = getattr(tokenizer, "timestamp_pat", None)
+    if (not isinstance(tokenizer, WhisperTokenizer) or cls.decode is not WhisperTokenizer.decode
+            or cls._decode is not WhisperTokenizer._decode or pattern is None):
+        return None
+    strip = pattern.sub
+    prompt_id = tokenizer.convert_tokens_to_ids("<|startofprev|>") if skip_special_tokens else None
+
+    def filtered(ids: list[int]) -> str:
+        return slow(ids) if prompt_id is not None and prompt_id in ids else strip("", direct(ids))
+
+    def cleaned(ids: list[int]) -> str:
+        return slow(ids) if prompt_id is not None and prompt_id in ids else strip("", cleanup(direct(ids)))
+
+    return [filtered] + ([cleaned] if cleanup is not None else [])
+
+
+_PROBE_TEXT = ("Grüße aus Köln , the cat 's mat . Isn 't it ? Yes ! I 'm , you 're , we 've , "
+               "don 't do n't -- 日本語の文章 \"quoted\" (a) [b] 3.14 <|0.00|> <|1.20|> end")
+
+
+def _probe_windows(tokenizer) -> list[list[int]]:
+    """Id windows a fast decoder must decode as ``decode`` does: a text with the punctuation that
+    clean-ups move and multi-byte characters that byte-level tokens split, its special tokens,
+    timestamp tokens where the vocabulary has them, and random ids, cut as a stream cuts them."""
+    import random
+
+    ids = tokenizer.encode(_PROBE_TEXT, add_special_tokens=False)
+    special = sorted(getattr(tokenizer, "all_special_ids", []) or [])
+    extra = [i for i in (tokenizer.convert_tokens_to_ids(t) for t in ("<|0.00|>", "<|1.20|>", "<|startofprev|>"))
+             if isinstance(i, int) and i != tokenizer.unk_token_id]
+    rng = random.Random(0)
+    windows = [ids] + [ids[i:i + n] for n in (1, 2, 5, 12) for i in range(0, len(ids), max(1, n // 2))]
+    for _ in range(64):
+        windows.append([rng.choice(special + extra) if (special or extra) and rng.random() < 0.25 else
+                        rng.choice(ids) if rng.random() < 0.5 else rng.randrange(len(tokenizer))
+                        for _ in range(rng.randrange(1, 16))])
+    return windows
 
 
 class IncrementalDetokenizer:
