@@ -59,11 +59,11 @@ def _make_decoder(tokenizer, skip_special_tokens: bool) -> Callable[[list[int]],
         if whisper is None:
             return slow
         candidates = whisper
-    probe = _probe_windows(tokenizer)
-    for fast in candidates:
-        if all(fast(ids) == slow(ids) for ids in probe):
-            return fast
-    return slow
+    try:
+        probe = _probe_windows(tokenizer)
+        return next((fast for fast in candidates if all(fast(ids) == slow(ids) for ids in probe)), slow)
+    except Exception:  # noqa: BLE001 - a tokenizer the probe cannot drive keeps its own decode
+        return slow
 
 
 def _whisper_decoders(tokenizer, cls, direct, cleanup, slow, skip_special_tokens: bool):
@@ -108,7 +108,7 @@ def _probe_windows(tokenizer) -> list[list[int]]:
     windows = [ids] + [ids[i:i + n] for n in (1, 2, 5, 12) for i in range(0, len(ids), max(1, n // 2))]
     for _ in range(64):
         windows.append([rng.choice(special + extra) if (special or extra) and rng.random() < 0.25 else
-                        rng.choice(ids) if rng.random() < 0.5 else rng.randrange(len(tokenizer))
+                        rng.choice(ids) if ids and rng.random() < 0.5 else rng.randrange(len(tokenizer))
                         for _ in range(rng.randrange(1, 16))])
     return windows
 
