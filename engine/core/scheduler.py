@@ -185,10 +185,35 @@ class Scheduler(BeamScheduling):
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: _StepBudget) -> None:
+        running, emitted = self.running, out.seqs
+        tpb, one_prompt_token = self.limits.tokens_per_block, self.limits.feed_prompt_one_token_per_step
+        num_fed = num_growth = num_plain = 0
         i = 0
-        while i < len(self.running):
-            req = self.running[i]
+        while i < len(running):
+            req = running[i]
             i += 1
+            seqs = req.seqs
+            if (len(seqs) == 1 and req.beam is None and not req.has_step_in_flight and not req.encode_pending
+                    and not req.needs_host_tokens):
+                # The common request (one sequence, no beams, nothing paused, no host tokens), which
+                # every step meets once per running request: _emit_seqs inlined, and its
+                # accounting summed once after the loop. A sequence crossing into a new block
+                # takes the general path below.
+                seq = seqs[0]
+                token_ids, hidden, max_output = seq.token_ids, seq.num_hidden_tokens, req.max_output_tokens
+                num_tokens = len(token_ids)
+                if seq.status not in LIVE_STATUSES or num_tokens - hidden >= max_output:
+                    continue        # nothing to schedule: it ends at the next resolve
+                if len(seq.block_ids) * tpb >= num_tokens:
+                    start = seq.num_computed_tokens
+                    end = start + 1 if one_prompt_token and start < hidden else num_tokens
+                    emitted.append(ScheduledSeq(seq.seq_id, req.request_id, token_ids[start:end], start,
+                                                seq.block_ids, req.cross_block_ids, req.encoder_len,
+                                                num_tokens - hidden, seq.cumulative_logprob))
+                    num_fed += end - start
+                    num_plain += 1
+                    num_growth += num_tokens % tpb == 0 and num_tokens - hidden + 1 < max_output
+                    continue
             seqs = _schedulable(req)
             if req.has_step_in_flight or req.encode_pending:
                 # Paused until resolve() brings its tokens, or until its encoder has run.
@@ -197,6 +222,9 @@ class Scheduler(BeamScheduling):
             elif (req.beam is not None and not self._grow_self_blocks(req, seqs, out)
                   or not self._emit_seqs(req, seqs, out, budget)):
                 break   # req was the newest running request and preempted itself
+        budget.num_tokens += num_fed
+        budget.num_seqs += num_plain
+        budget.num_growth_blocks += num_growth
         # Running sequences feed one token each, and admission kept their count within budget.
         assert budget.num_tokens <= self.limits.max_num_tokens, "was update() skipped?"
 
