@@ -51,14 +51,14 @@ def _make_decoder(tokenizer, skip_special_tokens: bool) -> Callable[[list[int]],
     plain = cls.decode is PreTrainedTokenizerFast.decode and cls._decode is PreTrainedTokenizerFast._decode
     if plain and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
         return direct
+    # The Rust decode as is, and with the clean-up transformers may apply after it.
     cleanup = getattr(tokenizer, "clean_up_tokenization", None)
-    if plain:
-        candidates = [direct] + ([lambda ids: cleanup(direct(ids))] if cleanup is not None else [])
-    else:
-        whisper = _whisper_decoders(tokenizer, cls, direct, cleanup, slow, skip_special_tokens)
+    candidates = [direct] + ([lambda ids: cleanup(direct(ids))] if cleanup is not None else [])
+    if not plain:
+        whisper = _whisper_filter(tokenizer, cls, slow, skip_special_tokens)
         if whisper is None:
             return slow
-        candidates = whisper
+        candidates = [whisper(text) for text in candidates]
     try:
         probe = _probe_windows(tokenizer)
         return next((fast for fast in candidates if all(fast(ids) == slow(ids) for ids in probe)), slow)
@@ -66,10 +66,11 @@ def _make_decoder(tokenizer, skip_special_tokens: bool) -> Callable[[list[int]],
         return slow
 
 
-def _whisper_decoders(tokenizer, cls, direct, cleanup, slow, skip_special_tokens: bool):
+def _whisper_filter(tokenizer, cls, slow, skip_special_tokens: bool):
     """Whisper's ``decode`` is the plain decode with the prompt (``<|startofprev|>`` ... up to
     ``<|startoftranscript|>``) stripped first when skipping special tokens and the timestamp tokens'
-    text removed after: the candidates redo the second, and hand a window with the first to it."""
+    text removed after. Returns what wraps a text decoder to redo the second and hand a window
+    with the first to ``slow``; None for any other class."""
     try:
         from transformers.models.whisper.tokenization_whisper import WhisperTokenizer
     except ImportError:
@@ -81,13 +82,12 @@ def _whisper_decoders(tokenizer, cls, direct, cleanup, slow, skip_special_tokens
     strip = pattern.sub
     prompt_id = tokenizer.convert_tokens_to_ids("<|startofprev|>") if skip_special_tokens else None
 
-    def filtered(ids: list[int]) -> str:
-        return slow(ids) if prompt_id is not None and prompt_id in ids else strip("", direct(ids))
+    def wrap(text: Callable[[list[int]], str]) -> Callable[[list[int]], str]:
+        def filtered(ids: list[int]) -> str:
+            return slow(ids) if prompt_id is not None and prompt_id in ids else strip("", text(ids))
+        return filtered
 
-    def cleaned(ids: list[int]) -> str:
-        return slow(ids) if prompt_id is not None and prompt_id in ids else strip("", cleanup(direct(ids)))
-
-    return [filtered] + ([cleaned] if cleanup is not None else [])
+    return wrap
 
 
 _PROBE_TEXT = ("Grüße aus Köln , the cat 's mat . Isn 't it ? Yes ! I 'm , you 're , we 've , "
