@@ -268,6 +268,17 @@ def test_token_budget_counts_encoder_and_decoder_tokens():
     assert so.num_encoder_tokens + so.num_decoder_tokens == 2 + 11
 
 
+def test_decoding_sequences_count_against_the_token_budget():
+    # Three running requests decode a token each (3 of the step's 12): a waiting request whose
+    # first step costs 10 (9 encoder positions + 1 token) is admitted only once they have ended.
+    sched = Scheduler(limits(max_num_tokens=12), 100, 100)
+    arrivals = {0: [make_request(rid, 2, 3, ignore_eos=True) for rid in "ABD"]
+                   + [make_request("C", 9, 3, ignore_eos=True)]}
+    outputs = run_all(sched, PagedFakeModel(100, 100, 4), arrivals)        # checks every step's token budget
+    step_c = next(i for i, so in enumerate(outputs) if any(e.request_id == "C" for e in so.encodes))
+    assert step_c > 1 and all(not any(s.request_id in "ABD" for s in so.seqs) for so in outputs[step_c:])
+
+
 # ---------------------------------------------------------------------- (d) preemption
 
 def test_preemption_under_tiny_self_pool_gives_the_same_tokens():
