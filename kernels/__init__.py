@@ -65,8 +65,9 @@ class lazy_jit:
 
     The kernel's module keeps ``tl = None`` as a placeholder and writes its annotations as
     strings (``from __future__ import annotations``); the first launch binds ``tl`` to
-    ``triton.language``. A kernel may call device functions of its own module marked
-    ``@lazy_jit.helper`` (the first launch jits them too), and no other jit functions.
+    ``triton.language``. A kernel may call device functions marked ``@lazy_jit.helper`` that
+    its module defines or imports from another kernel module (the first launch jits them too),
+    and no other jit functions.
     """
 
     class helper:
@@ -106,6 +107,7 @@ class lazy_jit:
             module["tl"] = tl
             for name, value in list(module.items()):
                 if isinstance(value, lazy_jit.helper):
+                    value.fn.__globals__["tl"] = tl      # a helper imported from another kernel module
                     module[name] = triton.jit(value.fn)
             self._kernel = triton.jit(self.fn, do_not_specialize=list(self.do_not_specialize) or None)
         return self._kernel

@@ -25,7 +25,8 @@ import math
 import torch
 
 from . import can_use_triton, lazy_jit
-from .reference import paged_attention_ref
+from .kv_store import _store_fp8
+from .reference import paged_attention_ref, store_kv_ref
 
 tl = None  # triton.language, bound by lazy_jit at the first launch (annotations stay strings)
 
@@ -42,15 +43,16 @@ _PROGRAMS_PER_SM = 16
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, m_ptr, l_ptr, final_ptr, arrivals_ptr,
     qsl_ptr, kv_lens_ptr, block_tables_ptr, bias_ptr, k_scale_ptr, v_scale_ptr,
+    new_k_ptr, new_v_ptr, slot_ptr,
     num_seqs, num_search_steps, scale_log2, bias_len,
-    stride_qn, stride_qh,
+    stride_qn, stride_qh, stride_nkn, stride_nkh, stride_nvn, stride_nvh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
     stride_on, stride_oh, stride_os, stride_fn, stride_fh,
     stride_bt, stride_bias_h, stride_sb, stride_st, stride_sh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     TOKENS_PER_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr, LAST_MERGES: tl.constexpr, BLOCK_S: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, FP8: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, FP8: tl.constexpr, STORE_NEW: tl.constexpr,
 ):
     tok = tl.program_id(0)
     head = tl.program_id(1)
@@ -94,6 +96,32 @@ def _paged_attention_kernel(
 
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
+    if STORE_NEW:
+        # The token's own K/V (one query per sequence: the caller's promise) is its last key,
+        # which only the split holding that key reads: that program writes it to the token's
+        # slot before its loop reads the tile (a negative slot, padding, writes nothing).
+        slot = tl.load(slot_ptr + tok).to(tl.int64)
+        owner = (kv_len - 1) // tl.maximum(chunk, 1)
+        s_mask = mask_d & (slot >= 0) & (split == owner)
+        s_page = slot // TOKENS_PER_BLOCK
+        s_in = slot % TOKENS_PER_BLOCK
+        head64 = head.to(tl.int64)
+        nk = tl.load(new_k_ptr + tok * stride_nkn + head * stride_nkh + offs_d, mask=s_mask, other=0.0)
+        nv = tl.load(new_v_ptr + tok * stride_nvn + head * stride_nvh + offs_d, mask=s_mask, other=0.0)
+        dst_k = k_ptr + s_page * stride_kb + s_in * stride_kt + head64 * stride_kh + offs_d
+        dst_v = v_ptr + s_page * stride_vb + s_in * stride_vt + head64 * stride_vh + offs_d
+        if FP8:
+            new_s_off = s_page * stride_sb + s_in * stride_st + head64 * stride_sh
+            one = tl.arange(0, 1)
+            s_mask1 = (slot >= 0) & (split == owner) & (one == 0)
+            _store_fp8(nk.to(tl.float32)[None, :], dst_k[None, :], k_scale_ptr + new_s_off + one,
+                       s_mask[None, :], s_mask1)
+            _store_fp8(nv.to(tl.float32)[None, :], dst_v[None, :], v_scale_ptr + new_s_off + one,
+                       s_mask[None, :], s_mask1)
+        else:
+            tl.store(dst_k, nk.to(k_ptr.dtype.element_ty), mask=s_mask)
+            tl.store(dst_v, nv.to(v_ptr.dtype.element_ty), mask=s_mask)
+        tl.debug_barrier()
     q = tl.load(q_ptr + tok * stride_qn + head * stride_qh + offs_d, mask=mask_d, other=0.0)
     q = q.to(tl.float32) * scale_log2                                        # [BLOCK_D]
 
@@ -274,7 +302,8 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, kv_lens, block_tables,
                     causal: bool, bias_table: torch.Tensor | None = None,
                     out: torch.Tensor | None = None, num_splits: int | None = None,
                     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    last_split_merges: bool = True, arrivals: SplitArrivals | None = None) -> torch.Tensor:
+                    last_split_merges: bool = True, arrivals: SplitArrivals | None = None,
+                    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Attention of packed queries over paged K/V; returns ``out`` ``[N, H, D]`` (q's dtype).
 
     q: [N, H, D]; k_cache, v_cache: [num_blocks, tokens_per_block, H, D];
@@ -287,8 +316,14 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, kv_lens, block_tables,
     ``last_split_merges``: with splits, the last split of each (token, head) to finish merges
     them (one launch) instead of a second kernel, counting arrivals in ``arrivals`` (None: a
     module-wide one; calls that share one must not run at the same time on two streams).
+    ``new_kv``: (k, v [N, H, D], slot_mapping [N]) of a causal call with one query per sequence:
+    the kernel stores them first (``store_kv``'s result), one launch instead of two.
     """
+    if new_kv is not None:
+        assert causal and q.shape[0] == kv_lens.shape[0], "new_kv needs one query per sequence"
     if not can_use_triton(q, k_cache, v_cache, block_tables):
+        if new_kv is not None:
+            store_kv_ref(*new_kv[:2], k_cache, v_cache, new_kv[2], kv_scales)
         return paged_attention_ref(q, k_cache, v_cache, query_start_loc, kv_lens, block_tables, scale,
                                    causal=causal, bias_table=bias_table, out=out, kv_scales=kv_scales)
     num_tokens, num_heads, head_dim = q.shape
@@ -325,19 +360,21 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, kv_lens, block_tables,
     has_bias = bias_table is not None
     bias = bias_table.contiguous() if has_bias else q                       # q: a dummy pointer
     search_steps = max(1, num_seqs).bit_length() + 1
+    new_k, new_v, slots = new_kv if new_kv is not None else (q, q, query_start_loc)   # dummy pointers
+    assert new_k.shape == new_v.shape == q.shape and new_k.stride(2) == 1 and new_v.stride(2) == 1
     _paged_attention_kernel[(num_tokens, num_heads, num_splits)](
         q, k_cache, v_cache, dst, m if m is not None else dst, l if l is not None else dst,
         out, counts if counts is not None else query_start_loc,
-        query_start_loc, kv_lens, block_tables, bias, k_scale, v_scale,
+        query_start_loc, kv_lens, block_tables, bias, k_scale, v_scale, new_k, new_v, slots,
         num_seqs, search_steps, scale * _LOG2E, bias_table.shape[1] if has_bias else 1,
-        q.stride(0), q.stride(1),
+        q.stride(0), q.stride(1), new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         dst.stride(0), dst.stride(1), stride_os, out.stride(0), out.stride(1),
         block_tables.stride(0), bias.stride(0) if has_bias else 0,
         k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0, k_scale.stride(2) if fp8 else 0,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, TOKENS_PER_BLOCK=tokens_per_block,
-        NUM_SPLITS=num_splits, LAST_MERGES=counts is not None, BLOCK_S=_next_pow2(num_splits), CAUSAL=causal, HAS_BIAS=has_bias, FP8=fp8, num_warps=num_warps,
+        NUM_SPLITS=num_splits, LAST_MERGES=counts is not None, BLOCK_S=_next_pow2(num_splits), CAUSAL=causal, HAS_BIAS=has_bias, FP8=fp8, STORE_NEW=new_kv is not None, num_warps=num_warps,
         num_stages=num_stages,
     )
     if num_splits > 1 and counts is None:

@@ -118,9 +118,25 @@ def _cases():
                     rand(300, heads, 64), rand(300, heads, 64), k, v, torch.arange(300, dtype=torch.int64),
                     kv_scales=scales))]
 
+    def self_store(fp8, rows=64, heads=16):
+        # flan-t5-large's decode self-attention storing the new K/V itself (with the T5 bias)
+        blocks, dtype = rows * 16, torch.float8_e4m3fn if fp8 else bf
+        k, v = (torch.zeros(blocks, 16, heads, 64, dtype=dtype) for _ in range(2))
+        scales = tuple(torch.zeros(blocks, 16, heads, dtype=torch.float16) for _ in range(2)) if fp8 else None
+        tables = torch.arange(blocks, dtype=torch.int32).view(rows, -1)
+        lens = torch.full((rows,), 200, dtype=torch.int32)
+        qsl = torch.arange(rows + 1, dtype=torch.int32)
+        qkv = rand(rows, 3, heads, 64)
+        new_kv = (qkv[:, 1], qkv[:, 2], torch.arange(rows, dtype=torch.int64))
+        return [(f"t5 self attention storing the new K/V, {'fp8' if fp8 else 'bf16'}", paged_attention,
+                 lambda: paged_attention.paged_attention(
+                    qkv[:, 0], k, v, qsl, lens, tables, 1.0, causal=True, bias_table=rand(heads, 32, dtype=torch.float32),
+                    num_splits=4, kv_scales=scales, new_kv=new_kv))]
+
     for fp8 in (False, True):
         for head_major in (False, True):
             cases += cross(fp8, head_major)
+        cases += self_store(fp8)
 
     from enc2dec.kernels import activations, norms, sampling
     x, res = rand(64, 1024), rand(64, 1024)

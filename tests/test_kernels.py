@@ -183,6 +183,80 @@ def test_store_kv_writes_head_major_pools(fp8):
         assert b.float().abs().sum() > 0 and torch.equal(a.float(), b.float())
 
 
+def _new_token_slots(case, kv_lens, pad_rows=0):
+    """Each sequence's last position's slot (its one new token), -1 for padding rows."""
+    tpb = case["k_cache"].shape[1]
+    slots = [int(case["block_tables"][i, (n - 1) // tpb]) * tpb + (n - 1) % tpb for i, n in enumerate(kv_lens)]
+    return torch.tensor(slots + [-1] * pad_rows, dtype=torch.int64, device=case["q"].device)
+
+
+def check_store_in_attention(kv_lens, heads, splits, fp8, head_major, *, dtype=torch.float32, device=DEVICE,
+                             seed=31):
+    """A decode step's self-attention given the new K/V stores them itself: the pools (and an
+    FP8 pool's scales) and the output equal ``store_kv`` followed by the attention, bit for bit,
+    whichever split holds each token's last key; a padding row (slot -1, the last) writes nothing."""
+    n = len(kv_lens) + 1
+    case = make_paged_case(kv_lens + [1], [1] * n, heads, 64, dtype=dtype, device=device, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    new_k, new_v = (torch.randn(n, heads, 64, generator=g).to(dtype).to(device) for _ in range(2))
+    slots = _new_token_slots(case, kv_lens, pad_rows=1)
+    pools = [case["k_cache"], case["v_cache"]]
+    scales = None
+    if fp8:
+        (k8, ks), (v8, vs) = (ref.quantize_fp8_ref(t) for t in pools)
+        pools, scales = [k8, v8], [ks, vs]
+    if head_major:
+        pools = [_head_major(t) for t in pools]
+        scales = [_head_major(t) for t in scales] if scales else None
+    args = (case["query_start_loc"], case["kv_lens"], case["block_tables"], 0.125)
+
+    def run(fused):
+        k_c, v_c = (t.clone() for t in pools)
+        sc = tuple(t.clone() for t in scales) if scales else None
+        if not fused:
+            store_kv(new_k, new_v, k_c, v_c, slots, kv_scales=sc)
+        out = paged_attention(case["q"], k_c, v_c, *args, causal=True, bias_table=case["bias"], num_splits=splits,
+                              kv_scales=sc, new_kv=(new_k, new_v, slots) if fused else None)
+        return [out, k_c, v_c, *(sc or ())]
+    want, got = run(False), run(True)
+    assert not torch.equal(want[1].float(), pools[0].float())          # the store changed the pool
+    for a, b in zip(got, want):
+        assert torch.equal(a.float(), b.float())
+    assert torch.isfinite(got[0]).all()
+
+
+@pytest.mark.parametrize("splits,fp8,head_major", [(1, False, False), (4, False, False), (2, True, False),
+                                                   (4, False, True), (16, True, True)])
+def test_paged_attention_stores_the_new_tokens_as_store_kv_does(splits, fp8, head_major):
+    # The interpreter runs a launch's programs one after another, so it checks what is stored
+    # and read, not that the program reading a token's new key is the one that stored it
+    # (test_kernels_gpu.py runs the same check on the GPU, where the programs race).
+    check_store_in_attention([1, 17, 33, 64, 100], 3, splits, fp8, head_major)
+
+
+def test_backend_self_attention_stores_new_kv_on_decode_and_prefix_steps():
+    """``self_attention(..., new_kv=(k, v))``: one launch on a decode step, the store kernel first on a
+    step that feeds a prefix; both the torch backend's pools and output."""
+    for q_lens, kv_lens in (([1, 1, 1], [13, 20, 1]), ([1, 3, 1], [13, 20, 2])):
+        case = make_paged_case(kv_lens, q_lens, 2, 64, seed=23)
+        meta = decoder_meta(case, q_lens, kv_lens)
+        tpb = case["k_cache"].shape[1]
+        meta.slot_mapping = torch.tensor(
+            [int(case["block_tables"][i, p // tpb]) * tpb + p % tpb
+             for i, (qn, n) in enumerate(zip(q_lens, kv_lens)) for p in range(n - qn, n)], device=DEVICE)
+        g = torch.Generator().manual_seed(24)
+        new_k, new_v = (torch.randn(case["q"].shape, generator=g).to(DEVICE) for _ in range(2))
+        results = []
+        for backend in (TritonAttentionBackend(), TorchAttentionBackend()):
+            k_cache, v_cache = case["k_cache"].clone(), case["v_cache"].clone()
+            out = backend.self_attention(case["q"], k_cache, v_cache, meta, 1.0, case["bias"], new_kv=(new_k, new_v))
+            results.append((out, k_cache, v_cache))
+        (o_tri, k_tri, v_tri), (o_torch, k_torch, v_torch) = results
+        assert torch.equal(k_tri, k_torch) and torch.equal(v_tri, v_torch)
+        assert not torch.equal(k_tri, case["k_cache"])
+        assert_close(o_tri, o_torch, torch.float32)
+
+
 @pytest.mark.parametrize("splits", [1, 2])
 def test_paged_attention_padding_tokens_get_zeros(splits):
     case = make_paged_case([12, 30], [1, 2], 2, 64, seed=3, pad_tokens=2)

@@ -24,6 +24,7 @@ from test_kernels import (  # tests/ is on sys.path (pytest's default import mod
     check_fused,
     check_paged,
     check_qkv_store,
+    check_store_in_attention,
     decoder_meta,
     encoder_meta,
     make_paged_case,
@@ -79,6 +80,17 @@ def test_paged_attention_last_split_merges_in_a_cuda_graph(dtype):
         want = paged_attention(*args, 0.125, causal=False, num_splits=4, last_split_merges=False)
         torch.cuda.synchronize()
         assert torch.isfinite(out).all() and torch.equal(out, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("splits,fp8,head_major", [(None, False, False), (4, False, False), (16, False, True),
+                                                   (4, True, False), (16, True, True)])
+def test_paged_attention_stores_the_new_tokens_cuda(dtype, splits, fp8, head_major):
+    """The new K/V stored by the attention kernel at a t5-large self-attention shape (c=64), where
+    the programs of a launch race: each token's last key is read by the program that stored it."""
+    for seed in range(3):
+        check_store_in_attention(lengths(64, 1, 256, seed=seed), 16, splits, fp8, head_major, dtype=dtype,
+                                 device="cuda", seed=seed)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
