@@ -4,7 +4,8 @@
 - ``encoder_attention``: one fused ``scaled_dot_product_attention`` over the padded
   batch (key-padding mask, plus the T5 bias); no per-sequence loop.
 - ``store_kv``: the Triton slot store (negative slots skipped).
-- ``self_attention`` / ``cross_attention``: the Triton paged kernel. Any query length per
+- ``self_attention`` / ``cross_attention``: the Triton paged kernel; on a decode step (one
+  token per sequence) self-attention stores the new K/V in the same launch. Any query length per
   sequence is handled in the kernel (one program per query token), so first steps with a
   prefix and recompute after preemption need no fallback.
 
@@ -25,9 +26,11 @@ from .reference import token_seq_index
 class TritonAttentionBackend:
     name = "triton"
 
-    def __init__(self, min_keys_per_split: int = MIN_KEYS_PER_SPLIT, last_split_merges: bool = True):
+    def __init__(self, min_keys_per_split: int = MIN_KEYS_PER_SPLIT, last_split_merges: bool = True,
+                 store_in_kernel: bool = True):
         self.min_keys_per_split = min_keys_per_split     # split-K floor of the paged kernel (tuning)
         self.last_split_merges = last_split_merges       # the splits merged in the same launch (tuning)
+        self.store_in_kernel = store_in_kernel           # decode steps' K/V stored by the attention kernel (tuning)
         self.arrivals = SplitArrivals()     # this engine's own: its decode steps never overlap each other
         self._enc_prep = None     # (meta, bias_table, dtype, prepared): one encoder forward's masks
 
@@ -82,13 +85,22 @@ class TritonAttentionBackend:
         store_kv(k, v, k_cache, v_cache, slot_mapping, kv_scales)
 
     def self_attention(self, q, k_cache, v_cache, meta, scale: float,
-                       bias_table: torch.Tensor | None = None, kv_scales=None) -> torch.Tensor:
-        """Causal attention of the new tokens q [N, H, D] over their sequences' paged K/V."""
+                       bias_table: torch.Tensor | None = None, kv_scales=None, new_kv=None) -> torch.Tensor:
+        """Causal attention of the new tokens q [N, H, D] over their sequences' paged K/V.
+        ``new_kv``: their (k, v), stored first into ``meta.slot_mapping``; in the attention
+        kernel itself when every sequence feeds one token (every sequence feeds at least one,
+        so N == S says it), else by ``store_kv``."""
+        fused = None
+        if new_kv is not None:
+            if self.store_in_kernel and q.shape[0] == len(meta.query_lens_host):
+                fused = (*new_kv, meta.slot_mapping)
+            else:
+                store_kv(*new_kv, k_cache, v_cache, meta.slot_mapping, kv_scales)
         splits = pick_num_splits(q.shape[0], q.shape[1], max(meta.seq_lens_host, default=0), q.device,
                                  self.min_keys_per_split)
         return paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                                scale, causal=True, bias_table=bias_table, num_splits=splits, kv_scales=kv_scales,
-                               last_split_merges=self.last_split_merges, arrivals=self.arrivals)
+                               last_split_merges=self.last_split_merges, arrivals=self.arrivals, new_kv=fused)
 
     def cross_attention(self, q, k_cache, v_cache, meta, scale: float, kv_scales=None) -> torch.Tensor:
         """Attention of q [N, H, D] over each request's encoder K/V (no mask beyond enc_len)."""

@@ -5,7 +5,8 @@ themselves:
 
     backend.encoder_attention(q, k, v, meta, scale, bias_table)   # packed, bidirectional
     backend.store_kv(k, v, k_cache, v_cache, slot_mapping, kv_scales)       # write new K/V into slots
-    backend.self_attention(q, k_cache, v_cache, meta, scale, bias_table, kv_scales)   # causal, paged
+    backend.self_attention(q, k_cache, v_cache, meta, scale, bias_table, kv_scales, new_kv)   # causal, paged
+                                                        # (new_kv: the new tokens' (k, v), stored first)
     backend.cross_attention(q, k_cache, v_cache, meta, scale, kv_scales)    # over the request's encoder K/V
 
 ``kv_scales`` is None, or an FP8 pool's (k_scale, v_scale) (``LayerKV.scales``).
@@ -154,11 +155,12 @@ class KVCache:
                        [layer(num_cross_blocks, cross_major) for _ in range(num_layers)])
 
 
-def get_attention_backend(name: str, min_keys_per_split: int = 32, last_split_merges: bool = True):
-    """``min_keys_per_split``, ``last_split_merges``: the triton backend's split-K options
-    (``TuningConfig``)."""
+def get_attention_backend(name: str, min_keys_per_split: int = 32, last_split_merges: bool = True,
+                          store_in_kernel: bool = True):
+    """``min_keys_per_split``, ``last_split_merges``, ``store_in_kernel``: the triton backend's
+    options (``TuningConfig``)."""
     name = canonical_backend_name(name)
     if name == "torch":
         return TorchAttentionBackend()
     from enc2dec.kernels.backend import TritonAttentionBackend  # lazy: triton is optional
-    return TritonAttentionBackend(min_keys_per_split, last_split_merges)
+    return TritonAttentionBackend(min_keys_per_split, last_split_merges, store_in_kernel)

@@ -194,8 +194,7 @@ class SelfAttention(nn.Module):
 
     def decode(self, x: torch.Tensor, meta: DecoderMetadata, kv: LayerKV, bias_table: torch.Tensor | None = None):
         q, k, v = self._split_qkv(x)                                              # [N, H, D]
-        self.backend.store_kv(k, v, kv.k, kv.v, meta.slot_mapping, kv.scales)
-        o = self.backend.self_attention(q, kv.k, kv.v, meta, self.scale, bias_table, kv.scales)
+        o = self.backend.self_attention(q, kv.k, kv.v, meta, self.scale, bias_table, kv.scales, new_kv=(k, v))
         return self.out_proj(o.reshape(x.shape[0], -1))
 
 

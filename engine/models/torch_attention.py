@@ -207,8 +207,10 @@ class TorchAttentionBackend:
         return self._dec[1]
 
     def self_attention(self, q, k_cache, v_cache, meta, scale: float,
-                       bias_table: torch.Tensor | None = None, kv_scales=None) -> torch.Tensor:
-        # q: [N, H, D]; the new tokens' K/V are already stored.
+                       bias_table: torch.Tensor | None = None, kv_scales=None, new_kv=None) -> torch.Tensor:
+        # q: [N, H, D]; the new tokens' K/V are already stored, or given as new_kv = (k, v) to store first.
+        if new_kv is not None:
+            self.store_kv(*new_kv, k_cache, v_cache, meta.slot_mapping, kv_scales)
         if kv_scales is not None:
             return paged_attention_ref(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                                        scale, causal=True, bias_table=bias_table, kv_scales=kv_scales)

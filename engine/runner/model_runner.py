@@ -165,7 +165,8 @@ class ModelRunner:
         self.is_whisper = hf_config.model_type == "whisper"
         tuning = args.tuning
         self.backend = get_attention_backend(attn_backend, min_keys_per_split=tuning.attn_min_keys_per_split,
-                                             last_split_merges=tuning.attn_last_split_merges)
+                                             last_split_merges=tuning.attn_last_split_merges,
+                                             store_in_kernel=tuning.attn_store_in_kernel)
         self.log_mel = None
         if self.is_whisper and feature_extractor is not None:
             from enc2dec.engine.whisper.log_mel import ExtractorLogMel, LogMel
