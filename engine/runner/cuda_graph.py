@@ -157,7 +157,10 @@ class DecodeGraphRunner:
         self._dev32.copy_(host32, non_blocking=True)
         if fill is not None:            # the rows travelled in the same copy: no allocation, no second copy
             k = len(fill[0])
-            self._dev64[:B][self._dev64[4 * B:4 * B + k]] = prev_tokens[self._dev64[5 * B:5 * B + k]]
+            # index_copy_ / index_select: what the advanced-index assignment becomes, a few
+            # microseconds of dispatch fewer on the engine thread
+            self._dev64[:B].index_copy_(0, self._dev64[4 * B:4 * B + k],
+                                        prev_tokens.index_select(0, self._dev64[5 * B:5 * B + k]))
         if not replay:
             return None
         b = next(size for size in self.sizes if size >= n)

@@ -401,7 +401,9 @@ class ModelRunner:
         event = None
         if self.device.type == "cuda":
             sample = sample.to_host(non_blocking=True)
-            event = torch.cuda.Event()
+            # torch.Event finds the current stream in C++; torch.cuda.Event.record() asks Python's
+            # torch.cuda.current_stream(), a few microseconds of the engine thread's GIL a step.
+            event = torch.Event(device=self.device)
             event.record()
         return PendingStep(seq_ids, sample, event, beam_ids)
 
