@@ -65,7 +65,11 @@ def main() -> None:
     ap.add_argument("--model", default="openai/whisper-large-v3-turbo")
     ap.add_argument("--batches", default="1,2,4")
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--blas", default="cublas",
+                    help="comma list of torch.backends.cuda.preferred_blas_library values to time the engine's "
+                         "encoder and one layer's GEMMs under (each graph captured under its library)")
     a = ap.parse_args()
+    libraries = a.blas.split(",")
     batches = [int(b) for b in a.batches.split(",")]
     llm = LLM.from_args(LlmArgs.from_dict({"cuda_graph_config": None, "encoder_cuda_graph_config": None},
                                           model=a.model, load_format="dummy", dtype="bfloat16",
@@ -80,15 +84,16 @@ def main() -> None:
     print(f"{a.model}: {layers} encoder layers, d {d}, {heads} heads, {flop_clip / 1e12:.3f} TFLOP a clip")
     rows = []
     with torch.inference_mode():
-        for b in batches:
+        for lib, b in ((lib, b) for lib in libraries for b in batches):
+            torch.backends.cuda.preferred_blas_library(lib)
             inputs, meta = uniform_encoder_batch(b, n_pos, dev, torch.bfloat16, whisper_mels=cfg.num_mel_bins)
             enc_only = graphed(lambda: model.encode(inputs, dataclasses.replace(meta)))
             both = graphed(lambda: model.write_cross_kv(model.encode(inputs, dataclasses.replace(meta)), meta, kv))
             t_enc, t_both = timed(enc_only), timed(both)
-            rows.append((b, t_enc, t_both))
-            print(f"engine B={b}: encode {t_enc:.2f} ms ({t_enc / b:.2f}/clip, {flop_clip * b / t_enc / 1e9:.0f} "
+            rows.append((f"{lib} {b}", t_enc / b, t_both / b))
+            print(f"engine {lib} B={b}: encode {t_enc:.2f} ms ({t_enc / b:.2f}/clip, {flop_clip * b / t_enc / 1e9:.0f} "
                   f"TFLOP/s), + cross K/V {t_both:.2f} ms ({t_both / b:.2f}/clip)", flush=True)
-            if b == batches[0]:
+            if b == batches[0] and lib == libraries[0]:
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
                     for _ in range(5):
                         both()
@@ -122,7 +127,8 @@ def main() -> None:
                     line.append(f"{be.name} failed {type(e).__name__}")
             print(f"sdpa B={b}: " + ", ".join(line), flush=True)
         # GEMMs of one layer at each batch
-        for b in batches:
+        for lib, b in ((lib, b) for lib in libraries for b in batches):
+            torch.backends.cuda.preferred_blas_library(lib)
             m = b * n_pos
             x = torch.randn(m, d, device=dev, dtype=torch.bfloat16)
             parts = []
@@ -131,7 +137,8 @@ def main() -> None:
                 xi = x if k_in == d else torch.randn(m, k_in, device=dev, dtype=torch.bfloat16)
                 t = timed(lambda: F.linear(xi, w))
                 parts.append(f"{n_out}x{k_in} {t * 1e3:.0f}us/{2 * m * n_out * k_in / t / 1e9:.0f}TF")
-            print(f"gemm M={m}: " + " ".join(parts), flush=True)
+            print(f"gemm {lib} M={m}: " + " ".join(parts), flush=True)
+    torch.backends.cuda.preferred_blas_library("cublas")
     llm.shutdown()
     if a.no_hf:
         return
@@ -149,9 +156,9 @@ def main() -> None:
             t_comp = timed(lambda: compiled(feats), reps=10)
             print(f"hf encoder B={b}: eager {t_eager:.2f} ms ({t_eager / b:.2f}/clip), compiled {t_comp:.2f} ms "
                   f"({t_comp / b:.2f}/clip)", flush=True)
-    print("\nB  engine encode ms/clip  + cross K/V ms/clip")
-    for b, t_enc, t_both in rows:
-        print(f"{b}  {t_enc / b:>8.2f}  {t_both / b:>8.2f}")
+    print("\nBLAS, B  engine encode ms/clip  + cross K/V ms/clip")
+    for label, t_enc, t_both in rows:
+        print(f"{label:<12}  {t_enc:>8.2f}  {t_both:>8.2f}")
 
 
 if __name__ == "__main__":
