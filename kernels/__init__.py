@@ -59,6 +59,32 @@ def can_use_triton(*tensors: torch.Tensor) -> bool:
     return (on_cuda or (on_cpu and interpreting())) and triton_available()
 
 
+_PDL = {"on": False}
+
+
+def set_programmatic_launch(on: bool) -> None:
+    """Launch the kernels here with programmatic dependent launch (PDL, Hopper and later): a
+    kernel may start, up to its first instruction, while the kernel before it on the stream
+    finishes, and waits there (``griddepcontrol.wait``) for that kernel's memory. What it saves is
+    the launch's latency between two dependent kernels, which a decode step of a few hundred
+    small kernels pays each time. Process-wide (``tuning.programmatic_launch``)."""
+    _PDL["on"] = bool(on)
+
+
+@functools.cache
+def _hopper_or_later(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def launch_options(t: torch.Tensor) -> dict:
+    """The keyword arguments that make a kernel launch on ``t``'s device programmatic, when it is
+    on (``set_programmatic_launch``) and the device can: ``PDL``, the kernel's constexpr that
+    puts the wait first, and Triton's ``launch_pdl``. Never under the interpreter."""
+    if _PDL["on"] and t.is_cuda and not interpreting() and _hopper_or_later(t.device.index or 0):
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
+
+
 class lazy_jit:
     """``triton.jit`` applied at first launch, so a kernel module imports without Triton and
     ``TRITON_INTERPRET`` is read then, not at import.

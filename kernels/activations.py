@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from . import can_use_triton, lazy_jit
+from . import can_use_triton, launch_options, lazy_jit
 from .reference import gated_gelu_ref, gelu_ref
 
 tl = None  # triton.language, bound by lazy_jit at the first launch (annotations stay strings)
@@ -19,8 +19,10 @@ _APPROXIMATIONS = ("none", "tanh")
 @lazy_jit
 def _gelu_kernel(
     x_ptr, out_ptr, num_cols, stride_x, stride_o,
-    BLOCK: tl.constexpr, GATED: tl.constexpr, TANH: tl.constexpr,
+    BLOCK: tl.constexpr, GATED: tl.constexpr, TANH: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:
+        tl.extra.cuda.gdc_wait()      # the previous kernel's memory, before any load
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)                  # [BLOCK]
     mask = offs < num_cols
@@ -49,7 +51,8 @@ def _launch(x, num_cols: int, gated: bool, approximate: str):
         block = min(1024, 1 << (num_cols - 1).bit_length())
         grid = (x2.shape[0], (num_cols + block - 1) // block)
         _gelu_kernel[grid](x2, out, num_cols, x2.stride(0), out.stride(0),
-                           BLOCK=block, GATED=gated, TANH=approximate == "tanh", num_warps=4)
+                           BLOCK=block, GATED=gated, TANH=approximate == "tanh", num_warps=4,
+                           **launch_options(x2))
     return out.view(*x.shape[:-1], num_cols)
 
 

@@ -7,7 +7,7 @@ scale, amax / 448, exactly as ``reference.quantize_fp8_ref``.
 """
 from __future__ import annotations
 
-from . import can_use_triton, lazy_jit
+from . import can_use_triton, launch_options, lazy_jit
 from .reference import store_kv_ref
 
 tl = None  # triton.language, bound by lazy_jit at the first launch (annotations stay strings)
@@ -19,8 +19,10 @@ def _store_kv_kernel(
     num_heads, tokens_per_block,
     stride_kn, stride_kh, stride_vn, stride_vh,
     stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch, stride_sb, stride_st, stride_sh,
-    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:
+        tl.extra.cuda.gdc_wait()      # the previous kernel's memory, before any load
     tok = tl.program_id(0).to(tl.int64)   # N x row stride can pass 2**31 (encoder batches)
     # int64: a head-major pool's head stride is a whole layer's pool, so head x stride can pass
     # 2**31 elements (pools over 4 GiB)
@@ -88,6 +90,6 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, kv_scales=None) -> None:
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0, k_scale.stride(2) if fp8 else 0,
-        HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, FP8=fp8, num_warps=4,
+        HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, FP8=fp8, num_warps=4, **launch_options(k),
     )
     return None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from . import can_use_triton, lazy_jit
+from . import can_use_triton, launch_options, lazy_jit
 from .reference import fused_add_layer_norm_ref, fused_add_rms_norm_ref
 
 tl = None  # triton.language, bound by lazy_jit at the first launch (annotations stay strings)
@@ -19,7 +19,10 @@ def _add_norm_kernel(
     x_ptr, res_ptr, weight_ptr, bias_ptr, out_ptr, res_out_ptr,
     hidden, eps, stride_x, stride_r, stride_o, stride_ro,
     BLOCK: tl.constexpr, IS_RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        tl.extra.cuda.gdc_wait()      # the previous kernel's memory, before any load
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
@@ -58,7 +61,7 @@ def _add_norm(x, residual, weight, bias, eps: float, is_rms: bool):
             x2, r2, weight, bias if bias is not None else weight, out, res_out,
             hidden, eps, x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
             BLOCK=block, IS_RMS=is_rms, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
-            num_warps=max(1, min(16, block // 256)),
+            num_warps=max(1, min(16, block // 256)), **launch_options(x2),
         )
     new_residual = x if residual is None else res_out.view(residual.shape)
     return out.view(x.shape), new_residual

@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from . import can_use_triton, lazy_jit
+from . import can_use_triton, launch_options, lazy_jit
 from .kv_store import _store_fp8
 from .reference import paged_attention_ref, store_kv_ref
 
@@ -52,8 +52,10 @@ def _paged_attention_kernel(
     stride_bt, stride_bias_h, stride_sb, stride_st, stride_sh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     TOKENS_PER_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr, LAST_MERGES: tl.constexpr, BLOCK_S: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, FP8: tl.constexpr, STORE_NEW: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, FP8: tl.constexpr, STORE_NEW: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:
+        tl.extra.cuda.gdc_wait()      # the previous kernel's memory, before any load
     tok = tl.program_id(0)
     head = tl.program_id(1)
     split = tl.program_id(2)
@@ -375,7 +377,7 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, kv_lens, block_tables,
         k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0, k_scale.stride(2) if fp8 else 0,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, TOKENS_PER_BLOCK=tokens_per_block,
         NUM_SPLITS=num_splits, LAST_MERGES=counts is not None, BLOCK_S=_next_pow2(num_splits), CAUSAL=causal, HAS_BIAS=has_bias, FP8=fp8, STORE_NEW=new_kv is not None, num_warps=num_warps,
-        num_stages=num_stages,
+        num_stages=num_stages, **launch_options(q),
     )
     if num_splits > 1 and counts is None:
         _merge_splits_kernel[(num_tokens, num_heads)](

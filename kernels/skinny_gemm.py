@@ -26,7 +26,7 @@ import dataclasses
 
 import torch
 
-from . import can_use_triton, lazy_jit
+from . import can_use_triton, launch_options, lazy_jit
 from .reference import (fused_add_layer_norm_ref, fused_add_rms_norm_ref, gated_gelu_ref, gelu_ref,
                         skinny_linear_ref, store_kv_ref)
 
@@ -41,13 +41,15 @@ def _skinny_gemm_kernel(
     M, N, K, stride_xm, stride_wn, stride_om, stride_rm, stride_rom, eps, kv_width,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     NORM: tl.constexpr, HAS_RES: tl.constexpr, NORM_BIAS: tl.constexpr, STATS_BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
-    ACT: tl.constexpr, GATED: tl.constexpr, STORE_KV: tl.constexpr,
+    ACT: tl.constexpr, GATED: tl.constexpr, STORE_KV: tl.constexpr, PDL: tl.constexpr,
 ):
     # Prologue, NORM: 0 none, 1 RMSNorm, 2 LayerNorm of x (+ residual with HAS_RES).
     # Epilogue, ACT: 0 none, 1 gelu (erf), 2 gelu (tanh), 3 relu of the output; GATED: weight
     # rows [N, 2N) are the "up" half, out[:, n] = act(x . w[n]) * (x . w[N + n]).
     # STORE_KV: the output is q|k|v, kv_width wide each; k and v also go to the paged caches
     # (contiguous [blocks, tokens_per_block, heads, head_dim]) at each row's slot (< 0: nowhere).
+    if PDL:
+        tl.extra.cuda.gdc_wait()      # the previous kernel's memory, before any load
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)                         # [BN]
     offs_m = tl.arange(0, BLOCK_M)                                         # [BM]
@@ -260,5 +262,5 @@ def skinny_linear(x: torch.Tensor | Prologue, weight: torch.Tensor, bias: torch.
                               NORM_BIAS=bool(norm) and pro.norm_bias is not None, STATS_BLOCK=stats,
                               ONE_PASS=stats >= k,
                               ACT=ACTIVATIONS[act], GATED=gated, STORE_KV=kv_store is not None,
-                              num_warps=num_warps)
+                              num_warps=num_warps, **launch_options(x2))
     return out.view(*src.shape[:-1], n)

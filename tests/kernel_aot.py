@@ -160,16 +160,21 @@ def main() -> int:
     for label, module, call in _cases():
         with recorded(module) as launches:
             call()
-        for name, kernel, args, kwargs in launches:
+        # Each launch as recorded and, for a kernel that can wait for the one before it
+        # (programmatic launch, which CPU tensors never ask for), with its PDL constexpr on.
+        variants = [(name, kernel, args, kwargs, "") for name, kernel, args, kwargs in launches]
+        variants += [(name, kernel, args, kwargs | {"PDL": True}, ", PDL") for name, kernel, args, kwargs in launches
+                     if "PDL" in kwargs]
+        for name, kernel, args, kwargs, tag in variants:
             try:
                 smem = compile_launch(kernel, args, kwargs)
             except Exception as e:  # noqa: BLE001 - report every failure, not only the first
-                print(f"FAIL {label}: {name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                print(f"FAIL {label}{tag}: {name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
                 failed += 1
                 continue
             verdict = "ok" if smem <= SMEM_LIMIT else "FAIL shared memory over the H100's"
             failed += smem > SMEM_LIMIT
-            print(f"{verdict} {label}: {name} ({smem} B shared)")
+            print(f"{verdict} {label}{tag}: {name} ({smem} B shared)")
     return 1 if failed else 0
 
 

@@ -164,6 +164,9 @@ class ModelRunner:
         self.tp = tp
         self.is_whisper = hf_config.model_type == "whisper"
         tuning = args.tuning
+        if device.type == "cuda":
+            from enc2dec.kernels import set_programmatic_launch
+            set_programmatic_launch(tuning.programmatic_launch)
         self.backend = get_attention_backend(attn_backend, min_keys_per_split=tuning.attn_min_keys_per_split,
                                              last_split_merges=tuning.attn_last_split_merges,
                                              store_in_kernel=tuning.attn_store_in_kernel)
