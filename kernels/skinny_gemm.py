@@ -48,13 +48,19 @@ def _skinny_gemm_kernel(
     # rows [N, 2N) are the "up" half, out[:, n] = act(x . w[n]) * (x . w[N + n]).
     # STORE_KV: the output is q|k|v, kv_width wide each; k and v also go to the paged caches
     # (contiguous [blocks, tokens_per_block, heads, head_dim]) at each row's slot (< 0: nowhere).
-    if PDL:
-        tl.extra.cuda.gdc_wait()      # the previous kernel's memory, before any load
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)                         # [BN]
     offs_m = tl.arange(0, BLOCK_M)                                         # [BM]
     mask_n = offs_n < N
     mask_m = offs_m < M
+    if PDL:
+        # Launched while the kernel before it finishes: no earlier kernel writes the weights, so
+        # this program's weight rows start moving into L2 (one prefetch per 128-byte line) before
+        # it waits for that kernel's memory, and its loop then reads them from there.
+        _prefetch_rows(w_ptr, offs_n, mask_n, stride_wn, K, BLOCK_K)
+        if GATED:
+            _prefetch_rows(w_ptr + N.to(tl.int64) * stride_wn, offs_n, mask_n, stride_wn, K, BLOCK_K)
+        tl.extra.cuda.gdc_wait()      # the previous kernel's memory, before any activation load
     act_dtype = out_ptr.dtype.element_ty
     mean = tl.zeros((BLOCK_M,), dtype=tl.float32)
     rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -136,6 +142,20 @@ def _skinny_gemm_kernel(
         is_k = (offs_n >= kv_width) & (offs_n < 2 * kv_width)
         tl.store(k_cache_ptr + dst, out.to(k_cache_ptr.dtype.element_ty), mask=live & is_k[None, :])
         tl.store(v_cache_ptr + dst, out.to(v_cache_ptr.dtype.element_ty), mask=live & (offs_n >= 2 * kv_width)[None, :])
+
+
+@lazy_jit.helper
+def _prefetch_rows(w_ptr, offs_n, mask_n, stride_wn, K, BLOCK_K: tl.constexpr):
+    # prefetch.global.L2 of rows offs_n of a row-major bf16/fp16/fp32 weight, 64 elements apart
+    # (one 128-byte line of a 2-byte dtype; a 4-byte one is asked for every other line, which L2's
+    # sector fills of neighbouring lines cover in part)
+    lines = tl.arange(0, BLOCK_K // 64) * 64                               # [BK / 64]
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + lines
+        ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+        ok = mask_n[:, None] & (offs_k < K)[None, :]
+        tl.inline_asm_elementwise("@$2 prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l,b", [ptrs, ok],
+                                  dtype=tl.int32, is_pure=False, pack=1)
 
 
 ACTIVATIONS = {None: 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
