@@ -63,11 +63,14 @@ _PDL = {"on": False}
 
 
 def set_programmatic_launch(on: bool) -> None:
-    """Launch the kernels here with programmatic dependent launch (PDL, Hopper and later): a
-    kernel may start, up to its first instruction, while the kernel before it on the stream
-    finishes, and waits there (``griddepcontrol.wait``) for that kernel's memory. What it saves is
-    the launch's latency between two dependent kernels, which a decode step of a few hundred
-    small kernels pays each time. Process-wide (``tuning.programmatic_launch``)."""
+    """Launch the kernels here with programmatic dependent launch (PDL, Hopper and later): each
+    kernel waits first (``griddepcontrol.wait``) for the memory of the kernel before it on the
+    stream, then lets the kernel after it launch (``griddepcontrol.launch_dependents``), which
+    then runs up to its own wait while this one works. What it saves is a launch's latency
+    between two dependent kernels, which a decode step of a few hundred small kernels pays each
+    time; the skinny GEMV also prefetches its weights before its wait. A kernel after a library
+    one (cuBLAS: no PDL) launches when that one's blocks exit, as before. Process-wide
+    (``tuning.programmatic_launch``)."""
     _PDL["on"] = bool(on)
 
 

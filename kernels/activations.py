@@ -23,6 +23,7 @@ def _gelu_kernel(
 ):
     if PDL:
         tl.extra.cuda.gdc_wait()      # the previous kernel's memory, before any load
+        tl.extra.cuda.gdc_launch_dependents()   # the next kernel may launch and wait in turn
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)                  # [BLOCK]
     mask = offs < num_cols

@@ -23,6 +23,7 @@ def _store_kv_kernel(
 ):
     if PDL:
         tl.extra.cuda.gdc_wait()      # the previous kernel's memory, before any load
+        tl.extra.cuda.gdc_launch_dependents()   # the next kernel may launch and wait in turn
     tok = tl.program_id(0).to(tl.int64)   # N x row stride can pass 2**31 (encoder batches)
     # int64: a head-major pool's head stride is a whole layer's pool, so head x stride can pass
     # 2**31 elements (pools over 4 GiB)

@@ -23,6 +23,7 @@ def _add_norm_kernel(
 ):
     if PDL:
         tl.extra.cuda.gdc_wait()      # the previous kernel's memory, before any load
+        tl.extra.cuda.gdc_launch_dependents()   # the next kernel may launch and wait in turn
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden

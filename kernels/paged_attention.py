@@ -56,6 +56,7 @@ def _paged_attention_kernel(
 ):
     if PDL:
         tl.extra.cuda.gdc_wait()      # the previous kernel's memory, before any load
+        tl.extra.cuda.gdc_launch_dependents()   # the next kernel may launch and wait in turn
     tok = tl.program_id(0)
     head = tl.program_id(1)
     split = tl.program_id(2)

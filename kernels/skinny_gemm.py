@@ -61,6 +61,7 @@ def _skinny_gemm_kernel(
         if GATED:
             _prefetch_rows(w_ptr + N.to(tl.int64) * stride_wn, offs_n, mask_n, stride_wn, K, BLOCK_K)
         tl.extra.cuda.gdc_wait()      # the previous kernel's memory, before any activation load
+        tl.extra.cuda.gdc_launch_dependents()   # the next kernel may launch and prefetch in turn
     act_dtype = out_ptr.dtype.element_ty
     mean = tl.zeros((BLOCK_M,), dtype=tl.float32)
     rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
