@@ -169,8 +169,9 @@ class TuningConfig:
     # flan-t5-large step; docs/benchmarks.md, session 34).
     attn_last_split_merges: bool = True
     # On a decode step (one token per sequence) the self-attention kernel stores the new K/V
-    # itself, instead of a store kernel before it: one launch fewer per layer.
-    attn_store_in_kernel: bool = True
+    # itself, instead of a store kernel before it: one launch fewer per layer. Off until its GPU
+    # test and a GPU run have been seen (docs/benchmarks.md, session 36).
+    attn_store_in_kernel: bool = False
     # The Triton kernels launch with programmatic dependent launch (Hopper and later): each may
     # be launched while the kernel before it finishes and waits for its memory on the GPU, which
     # hides a launch's latency between dependent kernels (kernels/__init__.py). Process-wide.

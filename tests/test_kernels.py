@@ -247,14 +247,15 @@ def test_backend_self_attention_stores_new_kv_on_decode_and_prefix_steps():
         g = torch.Generator().manual_seed(24)
         new_k, new_v = (torch.randn(case["q"].shape, generator=g).to(DEVICE) for _ in range(2))
         results = []
-        for backend in (TritonAttentionBackend(), TorchAttentionBackend()):
+        for backend in (TritonAttentionBackend(store_in_kernel=True), TritonAttentionBackend(), TorchAttentionBackend()):
             k_cache, v_cache = case["k_cache"].clone(), case["v_cache"].clone()
             out = backend.self_attention(case["q"], k_cache, v_cache, meta, 1.0, case["bias"], new_kv=(new_k, new_v))
             results.append((out, k_cache, v_cache))
-        (o_tri, k_tri, v_tri), (o_torch, k_torch, v_torch) = results
-        assert torch.equal(k_tri, k_torch) and torch.equal(v_tri, v_torch)
+        (o_tri, k_tri, v_tri), *others = results
         assert not torch.equal(k_tri, case["k_cache"])
-        assert_close(o_tri, o_torch, torch.float32)
+        for o, k, v in others:            # the store kernel first, and the torch backend
+            assert torch.equal(k_tri, k) and torch.equal(v_tri, v)
+            assert_close(o_tri, o, torch.float32)
 
 
 @pytest.mark.parametrize("splits", [1, 2])
