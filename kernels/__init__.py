@@ -142,6 +142,17 @@ class lazy_jit:
         return self._kernel
 
 
+tl = None  # triton.language, bound when a kernel that calls the helper below is first launched
+
+
+@lazy_jit.helper
+def wait_for_previous_kernel():
+    # A programmatically launched kernel's first step (``set_programmatic_launch``): wait for the
+    # memory of the kernel before it, then let the kernel after it launch and wait in turn.
+    tl.extra.cuda.gdc_wait()
+    tl.extra.cuda.gdc_launch_dependents()
+
+
 def _check_interpreter_mode(tl) -> None:
     # triton.language's own jit helpers (tl.sum, tl.cdiv, ...) are fixed at its import.
     from triton.runtime.interpreter import InterpretedFunction

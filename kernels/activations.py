@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from . import can_use_triton, launch_options, lazy_jit
+from . import can_use_triton, launch_options, lazy_jit, wait_for_previous_kernel
 from .reference import gated_gelu_ref, gelu_ref
 
 tl = None  # triton.language, bound by lazy_jit at the first launch (annotations stay strings)
@@ -22,8 +22,7 @@ def _gelu_kernel(
     BLOCK: tl.constexpr, GATED: tl.constexpr, TANH: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:
-        tl.extra.cuda.gdc_wait()      # the previous kernel's memory, before any load
-        tl.extra.cuda.gdc_launch_dependents()   # the next kernel may launch and wait in turn
+        wait_for_previous_kernel()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)                  # [BLOCK]
     mask = offs < num_cols

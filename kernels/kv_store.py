@@ -7,7 +7,7 @@ scale, amax / 448, exactly as ``reference.quantize_fp8_ref``.
 """
 from __future__ import annotations
 
-from . import can_use_triton, launch_options, lazy_jit
+from . import can_use_triton, launch_options, lazy_jit, wait_for_previous_kernel
 from .reference import store_kv_ref
 
 tl = None  # triton.language, bound by lazy_jit at the first launch (annotations stay strings)
@@ -22,8 +22,7 @@ def _store_kv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:
-        tl.extra.cuda.gdc_wait()      # the previous kernel's memory, before any load
-        tl.extra.cuda.gdc_launch_dependents()   # the next kernel may launch and wait in turn
+        wait_for_previous_kernel()
     tok = tl.program_id(0).to(tl.int64)   # N x row stride can pass 2**31 (encoder batches)
     # int64: a head-major pool's head stride is a whole layer's pool, so head x stride can pass
     # 2**31 elements (pools over 4 GiB)

@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from . import can_use_triton, launch_options, lazy_jit
+from . import can_use_triton, launch_options, lazy_jit, wait_for_previous_kernel
 from .kv_store import _store_fp8
 from .reference import paged_attention_ref, store_kv_ref
 
@@ -55,8 +55,7 @@ def _paged_attention_kernel(
     CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, FP8: tl.constexpr, STORE_NEW: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:
-        tl.extra.cuda.gdc_wait()      # the previous kernel's memory, before any load
-        tl.extra.cuda.gdc_launch_dependents()   # the next kernel may launch and wait in turn
+        wait_for_previous_kernel()
     tok = tl.program_id(0)
     head = tl.program_id(1)
     split = tl.program_id(2)
@@ -99,6 +98,9 @@ def _paged_attention_kernel(
 
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
+    # A head-major pool's head stride is a whole layer's pool: head x stride passes 2**31
+    # elements in pools over 4 GiB (whisper-large-v3-turbo's 4 layers share the cross budget).
+    head_kv = head.to(tl.int64)
     if STORE_NEW:
         # The token's own K/V (one query per sequence: the caller's promise) is its last key,
         # which only the split holding that key reads: that program writes it to the token's
@@ -108,13 +110,12 @@ def _paged_attention_kernel(
         s_mask = mask_d & (slot >= 0) & (split == owner)
         s_page = slot // TOKENS_PER_BLOCK
         s_in = slot % TOKENS_PER_BLOCK
-        head64 = head.to(tl.int64)
         nk = tl.load(new_k_ptr + tok * stride_nkn + head * stride_nkh + offs_d, mask=s_mask, other=0.0)
         nv = tl.load(new_v_ptr + tok * stride_nvn + head * stride_nvh + offs_d, mask=s_mask, other=0.0)
-        dst_k = k_ptr + s_page * stride_kb + s_in * stride_kt + head64 * stride_kh + offs_d
-        dst_v = v_ptr + s_page * stride_vb + s_in * stride_vt + head64 * stride_vh + offs_d
+        dst_k = k_ptr + s_page * stride_kb + s_in * stride_kt + head_kv * stride_kh + offs_d
+        dst_v = v_ptr + s_page * stride_vb + s_in * stride_vt + head_kv * stride_vh + offs_d
         if FP8:
-            new_s_off = s_page * stride_sb + s_in * stride_st + head64 * stride_sh
+            new_s_off = s_page * stride_sb + s_in * stride_st + head_kv * stride_sh
             one = tl.arange(0, 1)
             s_mask1 = (slot >= 0) & (split == owner) & (one == 0)
             _store_fp8(nk.to(tl.float32)[None, :], dst_k[None, :], k_scale_ptr + new_s_off + one,
@@ -132,9 +133,6 @@ def _paged_attention_kernel(
     l_i = tl.full([], 0.0, tl.float32)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    # A head-major pool's head stride is a whole layer's pool: head x stride passes 2**31
-    # elements in pools over 4 GiB (whisper-large-v3-turbo's 4 layers share the cross budget).
-    head_kv = head.to(tl.int64)
     # Each tile's page ids are loaded one tile ahead, so a tile's K/V loads wait on no load
     # issued in the same iteration.
     offs_n = k_begin + tl.arange(0, BLOCK_N)
@@ -364,7 +362,8 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, kv_lens, block_tables,
     bias = bias_table.contiguous() if has_bias else q                       # q: a dummy pointer
     search_steps = max(1, num_seqs).bit_length() + 1
     new_k, new_v, slots = new_kv if new_kv is not None else (q, q, query_start_loc)   # dummy pointers
-    assert new_k.shape == new_v.shape == q.shape and new_k.stride(2) == 1 and new_v.stride(2) == 1
+    if new_kv is not None:
+        assert new_k.shape == new_v.shape == q.shape and new_k.stride(2) == 1 and new_v.stride(2) == 1
     _paged_attention_kernel[(num_tokens, num_heads, num_splits)](
         q, k_cache, v_cache, dst, m if m is not None else dst, l if l is not None else dst,
         out, counts if counts is not None else query_start_loc,

@@ -26,7 +26,7 @@ import dataclasses
 
 import torch
 
-from . import can_use_triton, launch_options, lazy_jit
+from . import can_use_triton, launch_options, lazy_jit, wait_for_previous_kernel
 from .reference import (fused_add_layer_norm_ref, fused_add_rms_norm_ref, gated_gelu_ref, gelu_ref,
                         skinny_linear_ref, store_kv_ref)
 
@@ -60,8 +60,7 @@ def _skinny_gemm_kernel(
         _prefetch_rows(w_ptr, offs_n, mask_n, stride_wn, K, BLOCK_K)
         if GATED:
             _prefetch_rows(w_ptr + N.to(tl.int64) * stride_wn, offs_n, mask_n, stride_wn, K, BLOCK_K)
-        tl.extra.cuda.gdc_wait()      # the previous kernel's memory, before any activation load
-        tl.extra.cuda.gdc_launch_dependents()   # the next kernel may launch and prefetch in turn
+        wait_for_previous_kernel()      # before any activation load
     act_dtype = out_ptr.dtype.element_ty
     mean = tl.zeros((BLOCK_M,), dtype=tl.float32)
     rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
