@@ -132,6 +132,7 @@ class lazy_jit:
                 _check_interpreter_mode(tl)
                 _patch_interpreter_index()
                 _patch_interpreter_fp8(tl)
+                _patch_interpreter_bf16_dot(tl)
             module = self.fn.__globals__
             module["tl"] = tl
             for name, value in list(module.items()):
@@ -211,6 +212,37 @@ def _patch_interpreter_fp8(tl) -> None:
         return original(input, input_dtype, output_dtype, rounding_mode)
 
     interpreter._convert_float = convert_float
+
+
+@functools.cache
+def _patch_interpreter_bf16_dot(tl) -> None:
+    """Let triton<=3.6's CPU interpreter run ``tl.dot`` on bfloat16 operands.
+
+    The interpreter keeps bfloat16 as its uint16 bit patterns and its ``create_dot`` multiplies
+    those integers (a 16x16 product of N(0, 1) values comes out near 1e10). The operands are
+    widened to the float32 values they stand for (bf16 is float32's upper half), which is what
+    the tensor cores multiply; only where the interpreter's own dot is found wrong.
+    """
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_dot
+    one = interpreter.TensorHandle(np.full((16, 16), 0x3F80, dtype=np.uint16), tl.bfloat16)   # bf16 1.0
+    zero = interpreter.TensorHandle(np.zeros((16, 16), dtype=np.float32), tl.float32)
+    if original(None, one, one, zero, None, None).data[0, 0] == 16.0:
+        return
+
+    def widen(t):
+        if t.dtype.scalar == tl.bfloat16:
+            bits = t.data.astype(np.uint32) << 16
+            return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+        return t
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return original(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    builder.create_dot = create_dot
 
 
 def __getattr__(name: str):

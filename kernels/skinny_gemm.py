@@ -118,20 +118,8 @@ def _skinny_gemm_kernel(
         acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         if GATED:
             acc_up += tl.load(b_ptr + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    if ACT != 0:                      # on the rounded product, as the separate activation kernel reads it
-        g = acc.to(act_dtype).to(tl.float32)
-        if ACT == 1:
-            g = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
-        elif ACT == 2:
-            u = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-            e = tl.exp(-2.0 * tl.abs(u))
-            tanh_abs = (1.0 - e) / (1.0 + e)
-            g = 0.5 * g * (1.0 + tl.where(u >= 0, tanh_abs, -tanh_abs))
-        else:
-            g = tl.maximum(g, 0.0)
-        if GATED:
-            g = g * acc_up.to(act_dtype).to(tl.float32)
-        acc = g
+    if ACT != 0:
+        acc = _activate(acc, acc_up, act_dtype, ACT, GATED)
     out = acc.to(out_ptr.dtype.element_ty)
     mo = mask_m[:, None] & mask_n[None, :]
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=mo)
@@ -142,6 +130,25 @@ def _skinny_gemm_kernel(
         is_k = (offs_n >= kv_width) & (offs_n < 2 * kv_width)
         tl.store(k_cache_ptr + dst, out.to(k_cache_ptr.dtype.element_ty), mask=live & is_k[None, :])
         tl.store(v_cache_ptr + dst, out.to(v_cache_ptr.dtype.element_ty), mask=live & (offs_n >= 2 * kv_width)[None, :])
+
+
+@lazy_jit.helper
+def _activate(acc, acc_up, act_dtype, ACT: tl.constexpr, GATED: tl.constexpr):
+    # ACT (1 gelu erf, 2 gelu tanh, 3 relu) of the product rounded to the activation dtype, as
+    # the separate activation kernel reads it; GATED: times the rounded "up" product
+    g = acc.to(act_dtype).to(tl.float32)
+    if ACT == 1:
+        g = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
+    elif ACT == 2:
+        u = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        e = tl.exp(-2.0 * tl.abs(u))
+        tanh_abs = (1.0 - e) / (1.0 + e)
+        g = 0.5 * g * (1.0 + tl.where(u >= 0, tanh_abs, -tanh_abs))
+    else:
+        g = tl.maximum(g, 0.0)
+    if GATED:
+        g = g * acc_up.to(act_dtype).to(tl.float32)
+    return g
 
 
 @lazy_jit.helper
