@@ -133,6 +133,22 @@ def _cases():
                     qkv[:, 0], k, v, qsl, lens, tables, 1.0, causal=True, bias_table=rand(heads, 32, dtype=torch.float32),
                     num_splits=4, kv_scales=scales, new_kv=new_kv))]
 
+    from enc2dec.kernels import tile_gemm
+
+    def tile_calls():
+        # batched decode products (tuning.tile_gemm): flan-t5-large at 64 rows, whisper-large-v3's
+        # fc1 at 128, the T5 down projection at 256, a float32 model's
+        d, ff, tile = 1024, 2816, tile_gemm.tile_linear
+        return [("tile_gemm q|k|v, 64 rows", tile_gemm, lambda: tile(rand(64, d), rand(3 * d, d))),
+                ("tile_gemm gate|up + gelu_tanh, 64 rows", tile_gemm,
+                 lambda: tile(rand(64, d), rand(2 * ff, d), act="gelu_tanh", gated=True)),
+                ("tile_gemm down, 256 rows", tile_gemm, lambda: tile(rand(256, ff), rand(d, ff))),
+                ("tile_gemm whisper fc1 + bias + gelu, 128 rows", tile_gemm,
+                 lambda: tile(rand(128, 1280), rand(5120, 1280), rand(5120), act="gelu")),
+                ("tile_gemm float32, 24 rows", tile_gemm,
+                 lambda: tile(rand(24, 512, dtype=torch.float32), rand(512, 512, dtype=torch.float32)))]
+
+    cases += tile_calls()
     for fp8 in (False, True):
         for head_major in (False, True):
             cases += cross(fp8, head_major)

@@ -519,6 +519,47 @@ def test_skinny_linear_keeps_leading_dims_and_hands_wide_inputs_to_the_library()
     assert_close(skinny_linear(wide, w), ref.skinny_linear_ref(wide, w), torch.float32)
 
 
+@pytest.mark.parametrize("rows,n,k", [(2, 24, 64), (17, 40, 128), (64, 48, 256), (100, 33, 192), (5, 20, 40)])
+@pytest.mark.parametrize("act,gated,with_bias", [(None, False, False), (None, False, True), ("gelu", False, True),
+                                                 ("gelu_tanh", True, False), ("relu", False, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tile_linear_matches_the_library_product_and_activation(rows, n, k, act, gated, with_bias, dtype):
+    """The tile GEMM (batched decode rows, tuning.tile_gemm): rows over several row tiles, a
+    ragged last feature tile, and the activation epilogue, against F.linear then the activation."""
+    from enc2dec.kernels.tile_gemm import tile_linear
+
+    g = torch.Generator().manual_seed(rows * 100 + n)
+    width = 2 * n if gated else n
+    x = torch.randn(rows, k, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(width, k, generator=g) / k ** 0.5).to(DEVICE, dtype)
+    b = torch.randn(width, generator=g).to(DEVICE, dtype) if with_bias else None
+    got = tile_linear(x, w, b, act=act, gated=gated)
+    assert got.shape == (rows, n) and got.dtype == dtype
+    product = ref.skinny_linear_ref(x.float(), w.float(), None if b is None else b.float()).to(dtype)
+    assert_close(got, skinny_gemm.activation_ref(product, act, gated), dtype)
+
+
+def test_tile_linear_hands_what_it_cannot_tile_to_the_library(monkeypatch):
+    """One row (the GEMV's), more rows than a step (prompt or encoder work), K under a dot's 16:
+    the reference product, never the kernel; a 3-D batch keeps its leading dims."""
+    from enc2dec.kernels import tile_gemm
+
+    launches = []
+    kernel = tile_gemm._tile_gemm_kernel
+    monkeypatch.setattr(tile_gemm, "_tile_gemm_kernel", type("Spy", (), {
+        "__getitem__": lambda self, grid: (launches.append(grid), kernel[grid])[1]})())
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(16, 64, generator=g).to(DEVICE)
+    for x, weight in ((torch.randn(1, 64, generator=g), w), (torch.randn(300, 64, generator=g), w),
+                      (torch.randn(8, 12, generator=g), torch.randn(16, 12, generator=g))):
+        x, weight = x.to(DEVICE), weight.to(DEVICE)
+        assert_close(tile_gemm.tile_linear(x, weight), ref.skinny_linear_ref(x, weight), torch.float32)
+    assert launches == []
+    batch = torch.randn(2, 3, 64, generator=g).to(DEVICE)
+    assert_close(tile_gemm.tile_linear(batch, w), ref.skinny_linear_ref(batch, w), torch.float32)
+    assert len(launches) == 1
+
+
 def test_use_skinny_linear_rebinds_plain_linears_only(monkeypatch):
     from torch import nn
 

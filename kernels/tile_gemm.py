@@ -1,0 +1,125 @@
+"""``y = act(x @ W.T + b)`` for a decode step's batch of rows (17-256): a tensor-core tile GEMM
+that launches programmatically.
+
+A decode step at C=64 runs ~150 products of 64 rows; each costs cuBLAS about 4 us on an H100 or
+an H200 alike, 4-8x its weight read (docs/benchmarks.md, session 33's ``gemm_probe.py``): the
+time is the launch and the K loop's memory latency, not the bytes or the tile count. cuBLAS
+cannot overlap either with the kernel before it. This kernel can (``set_programmatic_launch``):
+launched while the previous kernel of the step still runs, each program first asks L2 for its
+weight rows (no earlier kernel of the step writes weights), then waits for the previous
+kernel's memory, so its K loop reads weights from L2 and the launch gap is gone. Without
+programmatic launch it is a plain tile GEMM (no faster than cuBLAS, session 33), so the engine
+takes it only with programmatic launch on (``tuning.tile_gemm``).
+
+Programs are ``BLOCK_N`` output features by ``BLOCK_M`` rows (narrow, so even a 1024-wide
+product keeps many SMs reading); the activation epilogue (``act``, ``gated``) is the skinny
+GEMV's, so a gated MLP's gate|up product and ``act(gate) * up`` stay one kernel here too.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import can_use_triton, launch_options, lazy_jit, wait_for_previous_kernel
+from .reference import skinny_linear_ref
+from .skinny_gemm import ACTIVATIONS, _activate, _prefetch_rows, activation_ref
+
+tl = None  # triton.language, bound by lazy_jit at the first launch (annotations stay strings)
+
+MIN_ROWS = 2      # one row is the skinny GEMV's
+MAX_ROWS = 256    # a step's largest batch the engine captures; more rows are prompt or encoder work
+
+
+@lazy_jit
+def _tile_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, IEEE: tl.constexpr,
+                      EVEN_K: tl.constexpr, PDL: tl.constexpr):
+    # out[M, N] = act(x[M, K] @ w[N, K].T + b); GATED: weight rows [N, 2N) are the "up" half
+    # and out[:, n] = act(x . w[n]) * (x . w[N + n]). EVEN_K: K % BLOCK_K == 0, no K mask.
+    # IEEE: float32 operands multiplied as float32 (tl.dot's default would round them to tf32).
+    pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_n, mask_m = offs_n < N, offs_m < M
+    up_ptr = w_ptr + N.to(tl.int64) * stride_wn
+    if PDL:
+        # The programs of one column of tiles read the same weight rows: the first asks for them.
+        if pid_m == 0:
+            _prefetch_rows(w_ptr, offs_n, mask_n, stride_wn, K, BLOCK_K)
+            if GATED:
+                _prefetch_rows(up_ptr, offs_n, mask_n, stride_wn, K, BLOCK_K)
+        wait_for_previous_kernel()      # before the first activation load
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+    w_rows = offs_n[None, :].to(tl.int64) * stride_wn
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = (offs_k < K) | EVEN_K
+        a = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)     # [BM, BK]
+        mask_w = mask_n[None, :] & mask_k[:, None]
+        b = tl.load(w_ptr + w_rows + offs_k[:, None], mask=mask_w, other=0.0)                       # [BK, BN]
+        acc = tl.dot(a, b, acc, input_precision="ieee" if IEEE else None)
+        if GATED:
+            b_up = tl.load(up_ptr + w_rows + offs_k[:, None], mask=mask_w, other=0.0)
+            acc_up = tl.dot(a, b_up, acc_up, input_precision="ieee" if IEEE else None)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(b_ptr + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    act_dtype = out_ptr.dtype.element_ty
+    if ACT != 0:
+        acc = _activate(acc, acc_up, act_dtype, ACT, GATED)
+    tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :], acc.to(act_dtype),
+             mask=mask_m[:, None] & mask_n[None, :])
+
+
+def launch_config(rows: int, n: int, k: int, itemsize: int = 2) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for an ``[rows, k] x [n, k]^T`` product
+    of ``itemsize``-byte elements.
+
+    Session 33's sweep of this tiling on an H100 (``gemm_probe.py --triton``, flan-t5-large at 64
+    rows, without programmatic launch) found the narrowest feature tiles with the longest K steps
+    fastest: 16-32 features, 256 of K. Rows are tiled by up to 64 (``tl.dot`` needs 16). Float32
+    takes half the K step, so three stages of tiles stay within shared memory; a K that no step
+    divides (small test models) takes 16-64 with its tail masked."""
+    block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
+    block_n = 32 if n >= 4096 else 16
+    steps = (512 // itemsize, 256 // itemsize, 128 // itemsize, 64)
+    block_k = next((b for b in steps if k % b == 0), min(64, max(16, 1 << (k - 1).bit_length())))
+    return block_m, block_n, block_k, 4, 3
+
+
+def tile_linear_supported(rows: int, weight: torch.Tensor) -> bool:
+    """Whether ``tile_linear`` runs its kernel for this many rows of this weight (else the reference)."""
+    return MIN_ROWS <= rows <= MAX_ROWS and weight.shape[-1] >= 16 and weight.stride(-1) == 1 and \
+        weight.dtype in (torch.bfloat16, torch.float16, torch.float32)
+
+
+def tile_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                act: str | None = None, gated: bool = False,
+                config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for ``x [..., K]`` with ``MIN_ROWS``-``MAX_ROWS`` rows of a
+    ``weight [N, K]`` (K >= 16; float32 multiplied as float32), ``act`` and ``gated`` as ``skinny_linear``'s.
+    Other inputs (or no Triton) take the torch references. ``config`` overrides ``launch_config``
+    (``bench/scripts/gemm_probe.py``)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if not tile_linear_supported(rows, weight) or x.dtype != weight.dtype or not can_use_triton(x, weight):
+        return activation_ref(skinny_linear_ref(x, weight, bias), act, gated)
+    n, k = weight.shape
+    if gated:
+        assert n % 2 == 0, f"a gated product needs an even number of weight rows, got {n}"
+        n //= 2
+    x2 = x.reshape(rows, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    block_m, block_n, block_k, num_warps, num_stages = config or launch_config(rows, n, k, weight.element_size())
+    grid = (-(-n // block_n), -(-rows // block_m))
+    _tile_gemm_kernel[grid](x2, weight, bias if bias is not None else weight, out, rows, n, k,
+                            x2.stride(0), weight.stride(0), out.stride(0),
+                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
+                            ACT=ACTIVATIONS[act], GATED=gated, IEEE=weight.dtype == torch.float32,
+                            EVEN_K=k % block_k == 0, num_warps=num_warps, num_stages=num_stages,
+                            **launch_options(x2))
+    return out.view(*x.shape[:-1], n)
