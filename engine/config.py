@@ -146,6 +146,7 @@ TUNING_ENV = {
     "attn_last_split_merges": "ENC2DEC_ATTN_LAST_SPLIT_MERGES",
     "attn_store_in_kernel": "ENC2DEC_ATTN_STORE_IN_KERNEL",
     "programmatic_launch": "ENC2DEC_PROGRAMMATIC_LAUNCH",
+    "tile_gemm": "ENC2DEC_TILE_GEMM",
     "tp_timeout_s": "ENC2DEC_TP_TIMEOUT_S",
     "encoder_tokens_while_decoding": "ENC2DEC_ENCODER_TOKENS_WHILE_DECODING",
     "encoder_join_steps": "ENC2DEC_ENCODER_JOIN_STEPS",
@@ -176,6 +177,11 @@ class TuningConfig:
     # be launched while the kernel before it finishes and waits for its memory on the GPU, which
     # hides a launch's latency between dependent kernels (kernels/__init__.py). Process-wide.
     programmatic_launch: bool = False
+    # Batched decode products (2-256 rows) through the Triton tile GEMM instead of cuBLAS, with
+    # the MLP's activation as its epilogue (kernels/tile_gemm.py). Made for programmatic launch:
+    # launched early, each product pulls its weights into L2 while the kernel before it runs,
+    # which cuBLAS cannot. Off until measured on a GPU (docs/benchmarks.md, session 37).
+    tile_gemm: bool = False
     tp_timeout_s: float = 600.0           # longest wait of a tensor-parallel collective or worker start-up
     # Encoder positions admitted in a step that also decodes running sequences. 0 (auto): one
     # clip for Whisper, so admitting requests costs the running ones at most one encoder pass of
@@ -217,7 +223,7 @@ class TuningConfig:
         o = "tuning"
         for name in ("skinny_gemm", "fused_gemv", "encoder_beside_decoder", "encoder_batches_fit_graphs",
                      "cross_kv_head_major", "cpu_greedy_head", "attn_last_split_merges",
-                     "attn_store_in_kernel", "programmatic_launch"):
+                     "attn_store_in_kernel", "programmatic_launch", "tile_gemm"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{o}.{name} must be true or false, got {getattr(self, name)!r}")
         _check_positive_int(o, "attn_min_keys_per_split", self.attn_min_keys_per_split)

@@ -47,3 +47,30 @@ def test_fused_norms_and_activations_decode_the_same_tokens(family, request, mon
     expected = {"t5_relu": {"rms", "relu"}, "flan_t5": {"rms", "gelu_tanh"}, "bart": {"gelu"},  # post-norm: no norms
                 "mbart": {"layer", "relu"}, "whisper": {"layer", "gelu"}}[family]
     assert set(kinds) == expected | {"kv store"}
+
+
+@pytest.mark.parametrize("family", ["flan_t5", "whisper"])
+def test_tile_gemm_decodes_a_batch_to_the_same_tokens(family, request, monkeypatch):
+    """With ``tuning.tile_gemm``, a batched decode step's products (and its MLP activation) run in
+    the tile GEMM kernel: three requests decoded together give the tokens they give without it."""
+    path = request.getfixturevalue(family)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prompts = [_request(family)] * 3 if family == "whisper" else \
+        ["the quick brown fox", "jumps over the lazy dog", "a b c d e f"]
+    monkeypatch.setattr(TorchAttentionBackend, "head_major_pools", False)
+    with LLM(path, dtype="float32", device="cpu", attn_backend="triton", max_batch_size=4,
+             kv_cache_config=KvCacheConfig(cross_kv_cache_fraction=0.5, tokens_per_block=4)) as llm:
+        plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        fast_linear.use_skinny_linear(llm.engine.runner.model, fuse=True)
+        monkeypatch.setitem(fast_linear._TILE, "on", True)
+        acts = []
+        kernel = fast_linear.tile_linear
+
+        def spy(x, *args, **kwargs):
+            acts.append(kwargs.get("act"))
+            return kernel(x, *args, **kwargs)
+
+        monkeypatch.setattr(fast_linear, "tile_linear", spy)
+        tiled = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert tiled == plain
+    assert None in acts and {"flan_t5": "gelu_tanh", "whisper": "gelu"}[family] in acts

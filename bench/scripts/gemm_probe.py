@@ -1,6 +1,7 @@
 """How far a decode step's multi-row products are from the weight read, per BLAS backend.
 
-    python bench/scripts/gemm_probe.py [--rows 64,128,256] [--triton] [--json out.json]
+    python bench/scripts/gemm_probe.py [--rows 64,128,256] [--triton [--pdl]] [--json out.json]
+    python bench/scripts/gemm_probe.py --chain [--rows 64] [--models flan-t5-large]
 
 Issue 19's steps at C=64-256 are ~45% cuBLAS products (profile_step.py), each far below the
 bandwidth its weight read would allow. For every decoder projection of flan-t5-large,
@@ -8,12 +9,14 @@ bart-large-cnn and whisper-large-v3 (TP=1, bf16) and each row count, it times ``
 under torch's cuBLAS and cuBLASLt backends, 100 graph-captured calls cycling through enough
 weight copies to overflow the L2 (as a step reads every layer once), and prints microseconds a
 call, the weight-read rate, and per model a step's sum over its layers against the same bytes
-at the copy rate ``--tbps``. ``--triton``: also a candidate with more programs than cuBLAS's
-128-wide tiles give these shapes (a 1024 x 1024 product at 64 rows is 8 tiles on 132 SMs):
-``BLOCK_M`` 64 rows by ``BLOCK_N`` 16-64 features, the K loop optionally split over ``SPLIT_K``
-programs that add into a zeroed float32 buffer (the zeroing and the cast to bf16 are timed with
-it), each configuration's time and the best per shape. Measured in session 33
-(docs/benchmarks.md): no faster than cuBLAS; a product's ~4 us here is fixed latency, not tiles. A lab script (bench/scripts is not installed); needs a CUDA GPU.
+at the copy rate ``--tbps``. Session 33 (docs/benchmarks.md) found each product's ~4 us fixed
+latency rather than bytes or tiles. ``--triton``: also the engine's tile GEMM
+(``kernels/tile_gemm.py``) over ``TILE_CONFIGS``, each configuration's time and the best per
+shape; ``--pdl`` launches it programmatically (its weight rows prefetched into L2 before it
+waits for the kernel before it, which here is the previous product). ``--chain``: a whole step's
+products as the decoder runs them, each fed by the one before (``LAYER_CHAINS``), cuBLAS
+against the tile GEMM with and without programmatic launch, per step, with the outputs'
+largest difference from cuBLAS's. A lab script (bench/scripts is not installed); needs a CUDA GPU.
 """
 from __future__ import annotations
 
@@ -24,12 +27,6 @@ import torch
 import torch.nn.functional as F
 
 from tune_skinny import L2_OVERFLOW_BYTES, _time
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:        # the cuBLAS rows still run
-    triton = None
 
 # (N, K, calls a step) of each decoder projection; the head once a step.
 MODELS = {
@@ -42,44 +39,98 @@ MODELS = {
 }
 
 
-if triton is not None:
-    @triton.jit
-    def _tile_gemm(x_ptr, w_ptr, out_ptr, M, N, k_len, stride_xm, stride_wn, stride_om,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
-        # out[M, N] (+)= x[M, K] @ w[N, K].T over this program's k_len of K (K = k_len * SPLIT_K,
-        # k_len % BLOCK_K == 0).
-        pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_m, mask_n = offs_m < M, offs_n < N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, k_len, BLOCK_K):
-            offs_k = pid_k * k_len + k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask_m[:, None], other=0.0)
-            b = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None], mask=mask_n[None, :], other=0.0)
-            acc += tl.dot(a, b)
-        ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-        mask = mask_m[:, None] & mask_n[None, :]
-        if SPLIT_K == 1:
-            tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-        else:
-            tl.atomic_add(ptrs, acc, mask=mask)
+# One decoder layer's products in order, for --chain: (name, N, K, activation, gated, bias);
+# each takes the previous output's first K columns (a view), so the chain is dependent as a
+# step's is (attention and norms left out: the products and the MLP activation only).
+LAYER_CHAINS = {
+    "flan-t5-large": (24, 32128, [("qkv", 3072, 1024, None, False, False), ("o", 1024, 1024, None, False, False),
+                                  ("cross q", 1024, 1024, None, False, False), ("cross o", 1024, 1024, None, False, False),
+                                  ("gate|up", 5632, 1024, "gelu_tanh", True, False),
+                                  ("down", 1024, 2816, None, False, False)]),
+    "bart-large-cnn": (12, 50264, [("qkv", 3072, 1024, None, False, True), ("o", 1024, 1024, None, False, True),
+                                   ("cross q", 1024, 1024, None, False, True), ("cross o", 1024, 1024, None, False, True),
+                                   ("fc1", 4096, 1024, "gelu", False, True), ("fc2", 1024, 4096, None, False, True)]),
+    "whisper-large-v3": (32, 51866, [("qkv", 3840, 1280, None, False, True), ("o", 1280, 1280, None, False, True),
+                                     ("cross q", 1280, 1280, None, False, True),
+                                     ("cross o", 1280, 1280, None, False, True),
+                                     ("fc1", 5120, 1280, "gelu", False, True), ("fc2", 1280, 5120, None, False, True)]),
+}
+
+TILE_CONFIGS = [(bm, bn, bk, w, st) for bm in (64,) for bn in (16, 32, 64) for bk in (64, 128, 256)
+                for w in (4,) for st in (2, 3, 4)]
 
 
-def tile_linear(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, split_k: int,
-                num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
-    m, k = x.shape
-    n = w.shape[0]
-    block_m = 64 if m >= 64 else 16
-    out = torch.empty(m, n, device=x.device, dtype=x.dtype) if split_k == 1 else \
-        torch.zeros(m, n, device=x.device, dtype=torch.float32)
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split_k)
-    _tile_gemm[grid](x, w, out, m, n, k // split_k, x.stride(0), w.stride(0), out.stride(0), BLOCK_M=block_m,
-                     BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=num_warps, num_stages=num_stages)
-    return out if split_k == 1 else out.to(x.dtype)
+def _step_time(run, launches: int = 5) -> float:
+    """Microseconds a replay of ``run()`` captured in one CUDA graph."""
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(launches):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / launches
 
 
-TILE_CONFIGS = [(bn, bk, sk) for bn in (16, 32, 64) for bk in (64, 128, 256) for sk in (1, 2, 4)]
+def chain(models, row_counts, tbps) -> list[dict]:
+    """A decode step's products (every layer, then the head) in one graph, per variant: cuBLAS with
+    the activation as its own (Triton) kernel, as the engine runs today; the Triton tile GEMM
+    with the activation fused; each with and without programmatic launch."""
+    from enc2dec.kernels import gated_gelu, gelu, set_programmatic_launch
+    from enc2dec.kernels.tile_gemm import tile_linear
+
+    def cublas(x, w, b, act, gated):
+        y = F.linear(x, w, b)
+        if act is None:
+            return y
+        return gated_gelu(y, approximate="tanh" if act == "gelu_tanh" else "none") if gated else \
+            gelu(y, approximate="tanh" if act == "gelu_tanh" else "none")
+
+    def tile(x, w, b, act, gated):
+        return tile_linear(x, w, b, act=act, gated=gated)
+
+    variants = {"cublas": (cublas, False), "cublas+pdl": (cublas, True), "tile": (tile, False), "tile+pdl": (tile, True)}
+    results = []
+    for model in models:
+        layers, vocab, products = LAYER_CHAINS[model]
+        d = products[0][2]
+        weights = [[(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5,
+                     torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None, act, gated)
+                    for _, n, k, act, gated, bias in products] for _ in range(layers)]
+        head = torch.randn(vocab, d, device="cuda", dtype=torch.bfloat16) * d ** -0.5
+        nbytes = sum(w.numel() * 2 for layer in weights for w, *_ in layer) + head.numel() * 2
+        for rows in row_counts:
+            x0 = torch.randn(rows, d, device="cuda", dtype=torch.bfloat16)
+            row = {"model": model, "rows": rows, "bound_us": nbytes / (tbps * 1e6)}
+            outs = {}
+            for name, (fn, pdl) in variants.items():
+                set_programmatic_launch(pdl)
+
+                def run(fn=fn):
+                    h = x0
+                    for layer in weights:
+                        for w, b, act, gated in layer:
+                            h = fn(h[:, :w.shape[1]], w, b, act, gated)
+                    outs[name] = F.linear(h[:, :d], head)
+                try:
+                    row[name] = _step_time(run)
+                except Exception as e:  # noqa: BLE001 - a variant the driver refuses is reported, not fatal
+                    row[name] = float("nan")
+                    print(f"{model} rows={rows} {name}: {type(e).__name__}: {e}", flush=True)
+            set_programmatic_launch(False)
+            ref = outs["cublas"].float()
+            row["max_rel_err"] = {k: ((v.float() - ref).abs().max() / ref.abs().max()).item() for k, v in outs.items()}
+            results.append(row)
+            print(f"{model:<18} rows={rows:>4}  bound {row['bound_us'] / 1e3:6.3f} ms  " + "  ".join(
+                f"{k} {row[k] / 1e3:6.3f} ms" for k in variants) + f"  (tile+pdl / cublas {row['cublas'] / row['tile+pdl']:.2f}x)",
+                flush=True)
+    return results
 
 
 def main() -> None:
@@ -87,9 +138,23 @@ def main() -> None:
     ap.add_argument("--rows", default="64,128,256")
     ap.add_argument("--tbps", type=float, default=4.3, help="the copy rate to compare with (H200: 4.3)")
     ap.add_argument("--models", default=",".join(MODELS), help="a comma-separated subset of " + ", ".join(MODELS))
-    ap.add_argument("--triton", action="store_true", help="also time the Triton tile candidate")
+    ap.add_argument("--triton", action="store_true", help="also time the engine's tile GEMM (kernels/tile_gemm.py) "
+                    "over TILE_CONFIGS, with programmatic launch as --pdl says")
+    ap.add_argument("--pdl", action="store_true", help="launch the Triton kernels programmatically")
+    ap.add_argument("--chain", action="store_true", help="only the step chains: every layer's products in one graph, "
+                    "cuBLAS against the tile GEMM, each with and without programmatic launch")
     ap.add_argument("--json")
     a = ap.parse_args()
+    if a.chain:
+        results = chain(a.models.split(","), [int(r) for r in a.rows.split(",")], a.tbps)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(results, f, indent=1)
+        return
+    from enc2dec.kernels import set_programmatic_launch
+    from enc2dec.kernels.tile_gemm import tile_linear
+
+    set_programmatic_launch(a.pdl)
     backends = ["cublas", "cublaslt"]
     shown = backends + (["triton"] if a.triton else [])
     models = {m: MODELS[m] for m in a.models.split(",")}
@@ -108,14 +173,14 @@ def main() -> None:
             if a.triton:
                 ref = F.linear(x, weights[0]).float()
                 tiles = {}
-                for bn, bk, sk in TILE_CONFIGS:
-                    if k % (bk * sk):
+                for config in TILE_CONFIGS:
+                    if k % config[2]:
                         continue
-                    fn = (lambda bn, bk, sk: lambda x, w: tile_linear(x, w, bn, bk, sk))(bn, bk, sk)
+                    fn = (lambda config: lambda x, w: tile_linear(x, w, config=config))(config)
                     err = (fn(x, weights[0]).float() - ref).abs().max().item()
                     if err > 0.05 * ref.abs().max().item():
-                        raise AssertionError(f"tile {bn},{bk},{sk} off by {err} on {n}x{k}")
-                    tiles[f"{bn},{bk},{sk}"] = _time(fn, weights, x)
+                        raise AssertionError(f"tile {config} off by {err} on {n}x{k}")
+                    tiles[",".join(map(str, config))] = _time(fn, weights, x)
                 best = min(tiles, key=tiles.get)
                 row["tiles"], row["tile_best"] = tiles, best
                 row["triton"] = times[(n, k, rows, "triton")] = tiles[best]

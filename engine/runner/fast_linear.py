@@ -29,7 +29,9 @@ from enc2dec.engine.models.bart import BartDecoderLayer, BartEncoderLayer
 from enc2dec.engine.models.layers import (DenseMLP, GatedMLP, LayerNorm, MergedLinear, RMSNorm, RowParallelLinear,
                                           SelfAttention, gelu_tanh)
 from enc2dec.engine.models.t5 import T5Layer
+from enc2dec.kernels import can_use_triton
 from enc2dec.kernels.skinny_gemm import Prologue, skinny_linear      # triton itself loads at the first launch
+from enc2dec.kernels.tile_gemm import tile_linear, tile_linear_supported
 
 logger = logging.getLogger("enc2dec")
 
@@ -54,15 +56,33 @@ GEMV_FED_NORMS = {
 _GEMV_ACTS = {F.relu: "relu", F.gelu: "gelu", gelu_tanh: "gelu_tanh"}
 
 
+# Multi-row products (2-256 rows: batched decode steps) through the tile GEMM kernel instead of
+# cuBLAS (``tuning.tile_gemm``; process-wide, as programmatic launch, which it is made for).
+_TILE = {"on": False}
+
+
+def set_tile_gemm(on: bool) -> None:
+    _TILE["on"] = bool(on)
+
+
 def _one_row(x: torch.Tensor | Prologue) -> bool:
     shape = x.shape
     return len(shape) >= 1 and shape[-1] > 0 and all(d == 1 for d in shape[:-1])
 
 
+def _tile_rows(x: torch.Tensor | Prologue, weight: torch.Tensor) -> bool:
+    # a tensor (not a deferred norm) whose rows the tile kernel takes (on the GPU, or the interpreter)
+    return _TILE["on"] and isinstance(x, torch.Tensor) and x.shape[-1] > 0 and can_use_triton(x, weight) and \
+        tile_linear_supported(x.numel() // x.shape[-1], weight)
+
+
 def linear(x: torch.Tensor | Prologue, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` that sends single-row inputs (and deferred norms) to the GEMV kernel."""
+    """``F.linear`` that sends single-row inputs (and deferred norms) to the GEMV kernel and,
+    with the tile GEMM on, batched decode rows to that kernel."""
     if isinstance(x, Prologue) or (x.shape[-1] and x.numel() // x.shape[-1] <= DISPATCH_ROWS):
         return skinny_linear(x, weight, bias)
+    if _tile_rows(x, weight):
+        return tile_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -107,14 +127,21 @@ class DeferredNorm:
 
 class ActInGemv:
     """Mixed in before ``DenseMLP`` / ``GatedMLP``: on one-row calls the activation (gated:
-    ``act(gate) * up``) is the epilogue of the first projection's GEMV."""
+    ``act(gate) * up``) is the epilogue of the first projection's GEMV, and of its tile GEMM on
+    the batched rows that kernel takes."""
 
     def forward(self, x: torch.Tensor | Prologue) -> torch.Tensor:
-        if not (_one_row(x) and self.act in _GEMV_ACTS):
+        first = self.gate_up if isinstance(self, GatedMLP) else self.fc1
+        if self.act not in _GEMV_ACTS:
             return super().forward(x)
-        if isinstance(self, GatedMLP):
-            return self.fc2(skinny_linear(x, self.gate_up.weight, None, act=_GEMV_ACTS[self.act], gated=True))
-        return self.fc2(skinny_linear(x, self.fc1.weight, self.fc1.bias, act=_GEMV_ACTS[self.act]))
+        if _one_row(x):
+            product = skinny_linear
+        elif _tile_rows(x, first.weight):
+            product = tile_linear
+        else:
+            return super().forward(x)
+        gated = isinstance(self, GatedMLP)
+        return self.fc2(product(x, first.weight, first.bias, act=_GEMV_ACTS[self.act], gated=gated))
 
 
 class StoreInGemv(SelfAttention):

@@ -23,7 +23,7 @@ from enc2dec.engine.core.block_manager import slot_ids
 from enc2dec.engine.parallel.distributed import SINGLE, TensorParallelGroup
 from enc2dec.engine.runner.cpu_threads import on_fresh_thread
 from enc2dec.engine.runner.cuda_graph import scatter_rows
-from enc2dec.engine.runner.fast_linear import skinny_linear_enabled, use_skinny_linear
+from enc2dec.engine.runner.fast_linear import set_tile_gemm, skinny_linear_enabled, use_skinny_linear
 from enc2dec.engine.runner.fast_norms import use_triton_norms
 from enc2dec.engine.runner.host_to_device import to_device
 from enc2dec.engine.core.kv_sizing import auto_cpu_kv_budget, kv_bytes_per_token, plan_kv_pools
@@ -182,6 +182,7 @@ class ModelRunner:
             use_triton_norms(self.model)
         skinny = tuning.skinny_gemm and skinny_linear_enabled(device, self.backend.name)
         if skinny:
+            set_tile_gemm(tuning.tile_gemm)
             use_skinny_linear(self.model, fuse=tuning.fused_gemv)
         # One kernel path per linear: the skinny GEMV's classes (CUDA, or the interpreter when
         # tests ask for it on the CPU) take fused prologues the packed CPU product cannot.
