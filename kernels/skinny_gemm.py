@@ -156,7 +156,7 @@ def _prefetch_rows(w_ptr, offs_n, mask_n, stride_wn, K, BLOCK_K: tl.constexpr):
     # prefetch.global.L2 of rows offs_n of a row-major bf16/fp16/fp32 weight, 64 elements apart
     # (one 128-byte line of a 2-byte dtype; a 4-byte one is asked for every other line, which L2's
     # sector fills of neighbouring lines cover in part)
-    lines = tl.arange(0, BLOCK_K // 64) * 64                               # [BK / 64]
+    lines = tl.arange(0, max(BLOCK_K // 64, 1)) * 64                       # [BK / 64], at least one line
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + lines
         ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
