@@ -79,11 +79,16 @@ def _hopper_or_later(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
+def programmatic_launch_on(device: torch.device) -> bool:
+    """Whether kernels launched on ``device`` launch programmatically (on, and a Hopper or later GPU)."""
+    return _PDL["on"] and device.type == "cuda" and not interpreting() and _hopper_or_later(device.index or 0)
+
+
 def launch_options(t: torch.Tensor) -> dict:
     """The keyword arguments that make a kernel launch on ``t``'s device programmatic, when it is
     on (``set_programmatic_launch``) and the device can: ``PDL``, the kernel's constexpr that
     puts the wait first, and Triton's ``launch_pdl``. Never under the interpreter."""
-    if _PDL["on"] and t.is_cuda and not interpreting() and _hopper_or_later(t.device.index or 0):
+    if programmatic_launch_on(t.device):
         return {"PDL": True, "launch_pdl": True}
     return {"PDL": False}
 

@@ -26,7 +26,7 @@ from .skinny_gemm import ACTIVATIONS, _activate, _prefetch_rows, activation_ref
 tl = None  # triton.language, bound by lazy_jit at the first launch (annotations stay strings)
 
 MIN_ROWS = 2      # one row is the skinny GEMV's
-MAX_ROWS = 256    # a step's largest batch the engine captures; more rows are prompt or encoder work
+MAX_ROWS = 256    # the most rows it takes; ``tile_pays`` says where it is the faster product
 
 
 @lazy_jit
@@ -78,16 +78,37 @@ def launch_config(rows: int, n: int, k: int, itemsize: int = 2) -> tuple[int, in
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for an ``[rows, k] x [n, k]^T`` product
     of ``itemsize``-byte elements.
 
-    Session 33's sweep of this tiling on an H100 (``gemm_probe.py --triton``, flan-t5-large at 64
-    rows, without programmatic launch) found the narrowest feature tiles with the longest K steps
-    fastest: 16-32 features, 256 of K. Rows are tiled by up to 64 (``tl.dot`` needs 16). Float32
-    takes half the K step, so three stages of tiles stay within shared memory; a K that no step
-    divides (small test models) takes 16-64 with its tail masked."""
+    From session 37's sweep on an H100 (``gemm_probe.py --triton --pdl``, 64 rows, flan-t5-large's
+    and whisper-large-v3's decode products, docs/benchmarks.md): four stages; 32 features by 128 of
+    K for square products up to 1280 (1024 x 1024: 3.15 us against cuBLAS's 4.13), 32 by 256 for
+    q|k|v (3072 x 1024: 4.32 against 5.28), 16 by 256 for a long K (1024 x 2816: 5.96 against
+    7.08), 64 by 128 from 4,096 features (whisper's head: 57.2 against 80.4). Rows are tiled by up
+    to 64 (``tl.dot`` needs 16). Float32 takes half the K step and three stages, within shared
+    memory; a K that no step divides (small test models) takes 16-64 with its tail masked."""
     block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
-    block_n = 32 if n >= 4096 else 16
-    steps = (512 // itemsize, 256 // itemsize, 128 // itemsize, 64)
-    block_k = next((b for b in steps if k % b == 0), min(64, max(16, 1 << (k - 1).bit_length())))
-    return block_m, block_n, block_k, 4, 3
+    if n >= 4096:
+        block_n, block_k = 64, 128
+    elif k > 2048:
+        block_n, block_k = 16, 256
+    elif n > 2048:
+        block_n, block_k = 32, 256
+    else:
+        block_n, block_k = 32, 128
+    stages = 4
+    if itemsize > 2:
+        block_k, stages = block_k // 2, 3
+    if k % block_k:
+        block_k = 64 if k % 64 == 0 else min(64, max(16, 1 << (k - 1).bit_length()))
+    return block_m, block_n, block_k, 4, stages
+
+
+def tile_pays(rows: int, n: int, k: int, fused_act: bool) -> bool:
+    """Whether the tile GEMM (launched programmatically) beats cuBLAS on this product, by session
+    37's sweep on an H100: at up to 64 rows, on every product of at most ~5M weights and on the LM
+    heads, not on the wide plain ones (whisper's 5120 x 1280 fc1: 8.0 us against 7.3; 1280 x 5120
+    fc2: 10.3 against 9.6) unless the MLP's activation rides in it (a kernel saved); at 128 rows
+    cuBLAS won every shape but the square ones (flan-t5-large's products 0.775 against 0.770 ms)."""
+    return rows <= 64 and (fused_act or n * k <= 5 << 20 or n >= 32768)
 
 
 def tile_linear_supported(rows: int, weight: torch.Tensor) -> bool:

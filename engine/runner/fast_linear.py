@@ -31,7 +31,7 @@ from enc2dec.engine.models.layers import (DenseMLP, GatedMLP, LayerNorm, MergedL
 from enc2dec.engine.models.t5 import T5Layer
 from enc2dec.kernels import can_use_triton
 from enc2dec.kernels.skinny_gemm import Prologue, skinny_linear      # triton itself loads at the first launch
-from enc2dec.kernels.tile_gemm import tile_linear, tile_linear_supported
+from enc2dec.kernels.tile_gemm import tile_linear, tile_linear_supported, tile_pays
 
 logger = logging.getLogger("enc2dec")
 
@@ -56,8 +56,9 @@ GEMV_FED_NORMS = {
 _GEMV_ACTS = {F.relu: "relu", F.gelu: "gelu", gelu_tanh: "gelu_tanh"}
 
 
-# Multi-row products (2-256 rows: batched decode steps) through the tile GEMM kernel instead of
-# cuBLAS (``tuning.tile_gemm``; process-wide, as programmatic launch, which it is made for).
+# Batched decode products through the tile GEMM kernel instead of cuBLAS where it is the faster
+# (``tile_pays``; ``tuning.tile_gemm``, set only with programmatic launch, which it is made for;
+# process-wide, as programmatic launch).
 _TILE = {"on": False}
 
 
@@ -70,10 +71,14 @@ def _one_row(x: torch.Tensor | Prologue) -> bool:
     return len(shape) >= 1 and shape[-1] > 0 and all(d == 1 for d in shape[:-1])
 
 
-def _tile_rows(x: torch.Tensor | Prologue, weight: torch.Tensor) -> bool:
-    # a tensor (not a deferred norm) whose rows the tile kernel takes (on the GPU, or the interpreter)
-    return _TILE["on"] and isinstance(x, torch.Tensor) and x.shape[-1] > 0 and can_use_triton(x, weight) and \
-        tile_linear_supported(x.numel() // x.shape[-1], weight)
+def _tile_rows(x: torch.Tensor | Prologue, weight: torch.Tensor, fused_act: bool = False) -> bool:
+    # a tensor (not a deferred norm) whose product the tile kernel takes and runs faster than
+    # cuBLAS (on the GPU, or the interpreter)
+    if not (_TILE["on"] and isinstance(x, torch.Tensor) and x.shape[-1] > 0):
+        return False
+    rows = x.numel() // x.shape[-1]
+    return tile_pays(rows, *weight.shape, fused_act) and tile_linear_supported(rows, weight) and \
+        can_use_triton(x, weight)
 
 
 def linear(x: torch.Tensor | Prologue, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -136,7 +141,7 @@ class ActInGemv:
             return super().forward(x)
         if _one_row(x):
             product = skinny_linear
-        elif _tile_rows(x, first.weight):
+        elif _tile_rows(x, first.weight, fused_act=True):
             product = tile_linear
         else:
             return super().forward(x)

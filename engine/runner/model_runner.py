@@ -24,6 +24,7 @@ from enc2dec.engine.parallel.distributed import SINGLE, TensorParallelGroup
 from enc2dec.engine.runner.cpu_threads import on_fresh_thread
 from enc2dec.engine.runner.cuda_graph import scatter_rows
 from enc2dec.engine.runner.fast_linear import set_tile_gemm, skinny_linear_enabled, use_skinny_linear
+from enc2dec.kernels import programmatic_launch_on, set_programmatic_launch
 from enc2dec.engine.runner.fast_norms import use_triton_norms
 from enc2dec.engine.runner.host_to_device import to_device
 from enc2dec.engine.core.kv_sizing import auto_cpu_kv_budget, kv_bytes_per_token, plan_kv_pools
@@ -165,7 +166,6 @@ class ModelRunner:
         self.is_whisper = hf_config.model_type == "whisper"
         tuning = args.tuning
         if device.type == "cuda":
-            from enc2dec.kernels import set_programmatic_launch
             set_programmatic_launch(tuning.programmatic_launch)
         self.backend = get_attention_backend(attn_backend, min_keys_per_split=tuning.attn_min_keys_per_split,
                                              last_split_merges=tuning.attn_last_split_merges,
@@ -181,8 +181,9 @@ class ModelRunner:
         if device.type == "cuda":
             use_triton_norms(self.model)
         skinny = tuning.skinny_gemm and skinny_linear_enabled(device, self.backend.name)
+        # without programmatic launch the tile GEMM is slower than cuBLAS (docs/benchmarks.md, session 37)
+        set_tile_gemm(skinny and tuning.tile_gemm and programmatic_launch_on(device))
         if skinny:
-            set_tile_gemm(tuning.tile_gemm)
             use_skinny_linear(self.model, fuse=tuning.fused_gemv)
         # One kernel path per linear: the skinny GEMV's classes (CUDA, or the interpreter when
         # tests ask for it on the CPU) take fused prologues the packed CPU product cannot.
