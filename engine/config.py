@@ -170,17 +170,18 @@ class TuningConfig:
     # flan-t5-large step; docs/benchmarks.md, session 34).
     attn_last_split_merges: bool = True
     # On a decode step (one token per sequence) the self-attention kernel stores the new K/V
-    # itself, instead of a store kernel before it: one launch fewer per layer. Off until its GPU
-    # test and a GPU run have been seen (docs/benchmarks.md, session 36).
-    attn_store_in_kernel: bool = False
+    # itself, instead of a store kernel before it: one launch fewer per layer (docs/benchmarks.md,
+    # session 37: flan-t5-large C=64 356 kernels a step instead of 380).
+    attn_store_in_kernel: bool = True
     # The Triton kernels launch with programmatic dependent launch (Hopper and later): each may
     # be launched while the kernel before it finishes and waits for its memory on the GPU, which
     # hides a launch's latency between dependent kernels (kernels/__init__.py). Process-wide.
-    programmatic_launch: bool = False
-    # Batched decode products (2-256 rows) through the Triton tile GEMM instead of cuBLAS, with
-    # the MLP's activation as its epilogue (kernels/tile_gemm.py). Made for programmatic launch:
-    # launched early, each product pulls its weights into L2 while the kernel before it runs,
-    # which cuBLAS cannot. Off until measured on a GPU (docs/benchmarks.md, session 37).
+    # With the store above on an H100 (session 37): flan-t5-large C=1 1,074 out tok/s against 968.
+    programmatic_launch: bool = True
+    # Batched decode products (2-64 rows) through the Triton tile GEMM instead of cuBLAS where it
+    # is the faster (``kernels/tile_gemm.tile_pays``), with the MLP's activation as its epilogue.
+    # Only with programmatic launch: launched early, each product pulls its weights into L2 while
+    # the kernel before it runs, which cuBLAS cannot; without it the kernel is slower than cuBLAS.
     tile_gemm: bool = False
     tp_timeout_s: float = 600.0           # longest wait of a tensor-parallel collective or worker start-up
     # Encoder positions admitted in a step that also decodes running sequences. 0 (auto): one
