@@ -193,10 +193,13 @@ def _patch_interpreter_index() -> None:
 
 @functools.cache
 def _patch_interpreter_fp8(tl) -> None:
-    """Let triton<=3.6's CPU interpreter round float32 -> float8 e4m3 as the GPU does.
+    """Let triton<=3.6's CPU interpreter round float32 -> float8 e4m3 and -> bfloat16 as the GPU
+    does (to nearest, ties to even).
 
-    Its ``_convert_float`` adds the rounding bit to the 3-bit mantissa without carrying into
-    the exponent, so e.g. 127.9 becomes 64 instead of 128 (seen with the FP8 KV store kernel). The downcast is delegated to torch's conversion, which rounds to
+    Its ``_convert_float`` adds the rounding bit to e4m3's 3-bit mantissa without carrying into
+    the exponent, so e.g. 127.9 becomes 64 instead of 128 (seen with the FP8 KV store kernel), and
+    truncates to bfloat16 (4.1797 becomes 4.15625, not 4.1875: a fused norm's input then drifts
+    from the separate kernel's). Each downcast is delegated to torch's conversion, which rounds to
     nearest even; only where the interpreter's own conversion is found wrong.
     """
     import numpy as np
@@ -204,16 +207,25 @@ def _patch_interpreter_fp8(tl) -> None:
     from triton.runtime import interpreter
 
     original = interpreter._convert_float
-    probe = np.array([127.9, -0.3], dtype=np.float32)
-    expected = torch.from_numpy(probe).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
-    got = original(probe, tl.float32, tl.float8e4nv, ir.ROUNDING_MODE.RTNE).view(np.uint8)
-    if np.array_equal(got, expected):
+    # (a plain ``.to(tl.bfloat16)`` reaches it with no rounding mode; float8 casts name theirs)
+    targets = {tl.float8e4nv: (torch.float8_e4m3fn, torch.uint8, np.array([127.9, -0.3], dtype=np.float32),
+                               ir.ROUNDING_MODE.RTNE),
+               tl.bfloat16: (torch.bfloat16, torch.int16, np.array([4.1796875, -0.3], dtype=np.float32), None)}
+    wrong = {}
+    for tl_dtype, (dtype, bits, probe, mode) in targets.items():
+        expected = torch.from_numpy(probe).to(dtype).view(bits).numpy()
+        got = original(probe, tl.float32, tl_dtype, mode).view(expected.dtype)
+        if not np.array_equal(got, expected):
+            wrong[tl_dtype] = (dtype, bits)
+    if not wrong:
         return
 
     def convert_float(input, input_dtype, output_dtype, rounding_mode):
-        if input_dtype == tl.float32 and output_dtype == tl.float8e4nv:
+        if input_dtype == tl.float32 and output_dtype in wrong:
+            dtype, bits = wrong[output_dtype]
             values = torch.from_numpy(np.ascontiguousarray(input, dtype=np.float32))
-            return values.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+            out = values.to(dtype).view(bits).numpy()
+            return out.view(np.uint16) if bits == torch.int16 else out
         return original(input, input_dtype, output_dtype, rounding_mode)
 
     interpreter._convert_float = convert_float

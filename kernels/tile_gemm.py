@@ -21,7 +21,7 @@ import torch
 
 from . import can_use_triton, launch_options, lazy_jit, wait_for_previous_kernel
 from .reference import skinny_linear_ref
-from .skinny_gemm import ACTIVATIONS, _activate, _prefetch_rows, activation_ref
+from .skinny_gemm import ACTIVATIONS, Prologue, _activate, _prefetch_rows, activation_ref
 
 tl = None  # triton.language, bound by lazy_jit at the first launch (annotations stay strings)
 
@@ -30,13 +30,17 @@ MAX_ROWS = 256    # the most rows it takes; ``tile_pays`` says where it is the f
 
 
 @lazy_jit
-def _tile_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+def _tile_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, nb_ptr, res_out_ptr,
+                      M, N, K, stride_xm, stride_wn, stride_om, stride_rm, stride_rom, eps,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, IEEE: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, NORM_BIAS: tl.constexpr,
+                      ACT: tl.constexpr, GATED: tl.constexpr, IEEE: tl.constexpr,
                       EVEN_K: tl.constexpr, PDL: tl.constexpr):
     # out[M, N] = act(x[M, K] @ w[N, K].T + b); GATED: weight rows [N, 2N) are the "up" half
     # and out[:, n] = act(x . w[n]) * (x . w[N + n]). EVEN_K: K % BLOCK_K == 0, no K mask.
     # IEEE: float32 operands multiplied as float32 (tl.dot's default would round them to tf32).
+    # Prologue, NORM: 0 none, 1 RMSNorm, 2 LayerNorm of x (+ residual with HAS_RES, the sum
+    # rounded to the activation dtype; the programs of the first feature tile write it out).
     pid_n, pid_m = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -49,14 +53,47 @@ def _tile_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_w
             if GATED:
                 _prefetch_rows(up_ptr, offs_n, mask_n, stride_wn, K, BLOCK_K)
         wait_for_previous_kernel()      # before the first activation load
+    act_dtype = out_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+    r_rows = res_ptr + offs_m[:, None].to(tl.int64) * stride_rm
     w_rows = offs_n[None, :].to(tl.int64) * stride_wn
+    mean = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if NORM != 0:
+        # Row statistics over K first (a LayerNorm's variance in a second pass, centred as the
+        # norm kernel's), each row's pieces read from L2.
+        s1 = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            h = _norm_input(x_rows, r_rows, k0, K, mask_m, act_dtype, BLOCK_K, HAS_RES, EVEN_K)
+            s1 += tl.sum(h * h if NORM == 1 else h, axis=1)
+        if NORM == 1:
+            rstd = tl.rsqrt(s1 / K + eps)
+        else:
+            mean = s1 / K
+            s2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                h = _norm_input(x_rows, r_rows, k0, K, mask_m, act_dtype, BLOCK_K, HAS_RES, EVEN_K)
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                c = tl.where(((offs_k < K) | EVEN_K)[None, :], h - mean[:, None], 0.0)
+                s2 += tl.sum(c * c, axis=1)
+            rstd = tl.rsqrt(s2 / K + eps)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = (offs_k < K) | EVEN_K
-        a = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)     # [BM, BK]
+        mk = mask_m[:, None] & mask_k[None, :]
+        if NORM != 0:
+            h = _norm_input(x_rows, r_rows, k0, K, mask_m, act_dtype, BLOCK_K, HAS_RES, EVEN_K)
+            if HAS_RES:
+                tl.store(res_out_ptr + offs_m[:, None].to(tl.int64) * stride_rom + offs_k[None, :],
+                         h.to(act_dtype), mask=mk & (pid_n == 0))
+            a = (h - mean[:, None]) * rstd[:, None] * tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)[None, :]
+            if NORM_BIAS:
+                a = a + tl.load(nb_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)[None, :]
+            a = a.to(act_dtype)
+        else:
+            a = tl.load(x_rows + offs_k[None, :], mask=mk, other=0.0)                               # [BM, BK]
         mask_w = mask_n[None, :] & mask_k[:, None]
         b = tl.load(w_ptr + w_rows + offs_k[:, None], mask=mask_w, other=0.0)                       # [BK, BN]
         acc = tl.dot(a, b, acc, input_precision="ieee" if IEEE else None)
@@ -67,11 +104,23 @@ def _tile_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_w
         acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         if GATED:
             acc_up += tl.load(b_ptr + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    act_dtype = out_ptr.dtype.element_ty
     if ACT != 0:
         acc = _activate(acc, acc_up, act_dtype, ACT, GATED)
     tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :], acc.to(act_dtype),
              mask=mask_m[:, None] & mask_n[None, :])
+
+
+@lazy_jit.helper
+def _norm_input(x_rows, r_rows, k0, K, mask_m, act_dtype, BLOCK_K: tl.constexpr, HAS_RES: tl.constexpr,
+                EVEN_K: tl.constexpr):
+    # [BM, BK] of x (+ residual, rounded to the activation dtype as the model's sum is) in fp32
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    mk = mask_m[:, None] & ((offs_k < K) | EVEN_K)[None, :]
+    h = tl.load(x_rows + offs_k[None, :], mask=mk, other=0.0).to(tl.float32)
+    if HAS_RES:
+        r = tl.load(r_rows + offs_k[None, :], mask=mk, other=0.0).to(tl.float32)
+        h = (h + r).to(act_dtype).to(tl.float32)
+    return h
 
 
 def launch_config(rows: int, n: int, k: int, itemsize: int = 2) -> tuple[int, int, int, int, int]:
@@ -117,30 +166,50 @@ def tile_linear_supported(rows: int, weight: torch.Tensor) -> bool:
         weight.dtype in (torch.bfloat16, torch.float16, torch.float32)
 
 
-def tile_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+def tile_linear(x: torch.Tensor | Prologue, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                 act: str | None = None, gated: bool = False,
                 config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x [..., K]`` with ``MIN_ROWS``-``MAX_ROWS`` rows of a
-    ``weight [N, K]`` (K >= 16; float32 multiplied as float32), ``act`` and ``gated`` as ``skinny_linear``'s.
-    Other inputs (or no Triton) take the torch references. ``config`` overrides ``launch_config``
-    (``bench/scripts/gemm_probe.py``)."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not tile_linear_supported(rows, weight) or x.dtype != weight.dtype or not can_use_triton(x, weight):
-        return activation_ref(skinny_linear_ref(x, weight, bias), act, gated)
+    ``weight [N, K]`` (K >= 16; float32 multiplied as float32); ``x`` may be a ``Prologue`` (its
+    norm computed as the rows load; the first feature tile's programs write its new residual),
+    ``act`` and ``gated`` as ``skinny_linear``'s. Other inputs (or no Triton) take the torch
+    references. ``config`` overrides ``launch_config`` (``bench/scripts/gemm_probe.py``)."""
+    pro = x if isinstance(x, Prologue) else None
+    src = pro.x if pro is not None else x
+    rows = src.numel() // src.shape[-1] if src.shape[-1] else 0
+    if not tile_linear_supported(rows, weight) or src.dtype != weight.dtype or not can_use_triton(src, weight):
+        return activation_ref(skinny_linear_ref(pro.materialize() if pro is not None else x, weight, bias), act, gated)
     n, k = weight.shape
     if gated:
         assert n % 2 == 0, f"a gated product needs an even number of weight rows, got {n}"
         n //= 2
-    x2 = x.reshape(rows, k)
+    x2 = src.reshape(rows, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    block_m, block_n, block_k, num_warps, num_stages = config or launch_config(rows, n, k, weight.element_size())
+    res = res_out = x2
+    if pro is not None and pro.residual is not None:
+        res = pro.residual.reshape(rows, k).contiguous()
+        res_out = pro.res_out.view(rows, k)
+    norm = 0 if pro is None else (1 if pro.norm == "rms" else 2)
+    nw = pro.norm_weight if norm else weight
+    nb = pro.norm_bias if norm and pro.norm_bias is not None else weight
+    out = torch.empty((rows, n), dtype=src.dtype, device=src.device)
+    if config is None:
+        # a gated product reads both halves: the tiling of its whole weight, each half's tile half as wide
+        block_m, block_n, block_k, num_warps, num_stages = launch_config(rows, weight.shape[0], k, weight.element_size())
+        block_n = max(16, block_n // 2) if gated else block_n
+        # a normalised input tile is made in registers and staged for the dot: two stages leave room
+        num_stages = 2 if pro is not None else num_stages
+    else:
+        block_m, block_n, block_k, num_warps, num_stages = config
     grid = (-(-n // block_n), -(-rows // block_m))
-    _tile_gemm_kernel[grid](x2, weight, bias if bias is not None else weight, out, rows, n, k,
-                            x2.stride(0), weight.stride(0), out.stride(0),
+    _tile_gemm_kernel[grid](x2, weight, bias if bias is not None else weight, out, res, nw, nb, res_out,
+                            rows, n, k, x2.stride(0), weight.stride(0), out.stride(0), res.stride(0),
+                            res_out.stride(0), float(pro.eps) if pro is not None else 0.0,
                             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
+                            NORM=norm, HAS_RES=bool(norm) and pro.residual is not None,
+                            NORM_BIAS=bool(norm) and pro.norm_bias is not None,
                             ACT=ACTIVATIONS[act], GATED=gated, IEEE=weight.dtype == torch.float32,
                             EVEN_K=k % block_k == 0, num_warps=num_warps, num_stages=num_stages,
                             **launch_options(x2))
-    return out.view(*x.shape[:-1], n)
+    return out.view(*src.shape[:-1], n)

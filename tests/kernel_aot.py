@@ -139,7 +139,13 @@ def _cases():
         # batched decode products (tuning.tile_gemm): flan-t5-large at 64 rows, whisper-large-v3's
         # fc1 at 128, the T5 down projection at 256, a float32 model's
         d, ff, tile = 1024, 2816, tile_gemm.tile_linear
+        rms = Prologue(rand(64, d), residual=rand(64, d), norm_weight=rand(d))
+        layer = Prologue(rand(64, 1280), residual=rand(64, 1280), norm="layer", norm_weight=rand(1280),
+                         norm_bias=rand(1280))
         return [("tile_gemm q|k|v, 64 rows", tile_gemm, lambda: tile(rand(64, d), rand(3 * d, d))),
+                ("tile_gemm q|k|v + RMSNorm + residual, 64 rows", tile_gemm, lambda: tile(rms, rand(3 * d, d))),
+                ("tile_gemm whisper fc1 + LayerNorm + residual + gelu, 64 rows", tile_gemm,
+                 lambda: tile(layer, rand(5120, 1280), rand(5120), act="gelu")),
                 ("tile_gemm gate|up + gelu_tanh, 64 rows", tile_gemm,
                  lambda: tile(rand(64, d), rand(2 * ff, d), act="gelu_tanh", gated=True)),
                 ("tile_gemm down, 256 rows", tile_gemm, lambda: tile(rand(256, ff), rand(d, ff))),

@@ -450,14 +450,14 @@ def _fused_case(name, rows, n, k, dtype, g):
     return make, w, b, dict(act=act[0], gated=act[1]) if act else {}
 
 
-def check_fused(name, rows, n, k, dtype, exact_residual=False):
+def check_fused(name, rows, n, k, dtype, exact_residual=False, product=None):
     """A deferred norm (+ residual add) and an output activation (gated: act(gate) * up)
-    computed inside the GEMV give what the separate kernels around the product give, and the
-    whole new residual is written (bit for bit with ``exact_residual``)."""
+    computed inside the GEMV (or ``product``) give what the separate kernels around the product
+    give, and the whole new residual is written (bit for bit with ``exact_residual``)."""
     g = torch.Generator().manual_seed(rows * 7 + k)
     make, w, b, act = _fused_case(name, rows, n, k, dtype, g)
     fused, unfused = make(), make()
-    got = skinny_linear(fused, w, b, **act)
+    got = (product or skinny_linear)(fused, w, b, **act)
     inputs = unfused.materialize() if isinstance(unfused, Prologue) else unfused
     expected = ref.skinny_linear_ref(inputs.float(), w.float(), b.float())
     if act:
@@ -476,6 +476,15 @@ def check_fused(name, rows, n, k, dtype, exact_residual=False):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_skinny_linear_fuses_the_norm_before_it_and_the_activation_after_it(name, rows, n, k, dtype):
     check_fused(name, rows, n, k, dtype)             # (the interpreter rounds bf16 down: residual compared closely)
+
+
+@pytest.mark.parametrize("name", list(_FUSIONS))
+@pytest.mark.parametrize("rows,n,k", [(5, 40, 128), (70, 24, 100)])       # 70 rows: two row tiles; K 100: masked
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tile_linear_fuses_the_norm_before_it_and_the_activation_after_it(name, rows, n, k, dtype):
+    from enc2dec.kernels.tile_gemm import tile_linear
+
+    check_fused(name, rows, n, k, dtype, exact_residual=dtype == torch.float32, product=tile_linear)
 
 
 def check_qkv_store(rows, slots, dtype, heads=3, head_dim=5, d=70, blocks=3, tpb=4):

@@ -483,3 +483,23 @@ def test_tile_linear_matches_cublas_at_decode_shapes(rows):
                 set_programmatic_launch(False)
             assert torch.isfinite(got).all()
             torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)
+    # a T5 pre-norm (+ residual) and a Whisper one (LayerNorm, bias) riding in the product
+    from enc2dec.kernels.skinny_gemm import Prologue
+
+    for norm, k in (("rms", 1024), ("layer", 1280)):
+        x, res = (torch.randn(rows, k, device="cuda", generator=g).to(bf) for _ in range(2))
+        gain, shift = (torch.randn(k, device="cuda", generator=g).to(bf) for _ in range(2))
+        w = (torch.randn(3 * k, k, device="cuda", generator=g) * k ** -0.5).to(bf)
+
+        def prologue():
+            return Prologue(x, res, norm=norm, norm_weight=gain, norm_bias=shift if norm == "layer" else None)
+
+        fused, plain = prologue(), prologue()
+        want = F.linear(plain.materialize(), w).float()
+        set_programmatic_launch(True)
+        try:
+            got = tile_linear(fused, w).float()
+        finally:
+            set_programmatic_launch(False)
+        torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)
+        assert torch.equal(fused.res_out, plain.res_out)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 
 import torch
 import torch.nn.functional as F
@@ -71,24 +72,27 @@ def _one_row(x: torch.Tensor | Prologue) -> bool:
     return len(shape) >= 1 and shape[-1] > 0 and all(d == 1 for d in shape[:-1])
 
 
-def _tile_rows(x: torch.Tensor | Prologue, weight: torch.Tensor, fused_act: bool = False) -> bool:
-    # a tensor (not a deferred norm) whose product the tile kernel takes and runs faster than
-    # cuBLAS (on the GPU, or the interpreter)
-    if not (_TILE["on"] and isinstance(x, torch.Tensor) and x.shape[-1] > 0):
-        return False
-    rows = x.numel() // x.shape[-1]
-    return tile_pays(rows, *weight.shape, fused_act) and tile_linear_supported(rows, weight) and \
-        can_use_triton(x, weight)
+def _rows(x: torch.Tensor | Prologue) -> int:
+    return math.prod(x.shape[:-1]) if x.shape[-1] else 0
+
+
+def _tile_rows(x: torch.Tensor | Prologue, weight: torch.Tensor, fused: bool = False) -> bool:
+    # rows whose product the tile kernel takes and runs faster than cuBLAS (on the GPU, or the
+    # interpreter); ``fused``: a deferred norm or an activation would ride in it
+    src = x.x if isinstance(x, Prologue) else x
+    rows = _rows(src)
+    return _TILE["on"] and tile_pays(rows, *weight.shape, fused or isinstance(x, Prologue)) and \
+        tile_linear_supported(rows, weight) and can_use_triton(src, weight)
 
 
 def linear(x: torch.Tensor | Prologue, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` that sends single-row inputs (and deferred norms) to the GEMV kernel and,
-    with the tile GEMM on, batched decode rows to that kernel."""
-    if isinstance(x, Prologue) or (x.shape[-1] and x.numel() // x.shape[-1] <= DISPATCH_ROWS):
+    """``F.linear`` that sends single-row inputs to the GEMV kernel and, with the tile GEMM on,
+    batched decode rows to that kernel; a deferred norm rides in whichever takes it."""
+    if _rows(x) <= DISPATCH_ROWS:
         return skinny_linear(x, weight, bias)
     if _tile_rows(x, weight):
         return tile_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+    return F.linear(x.materialize() if isinstance(x, Prologue) else x, weight, bias)
 
 
 class SkinnyLinear(nn.Linear):
@@ -111,20 +115,27 @@ _SKINNY_CLASSES = {nn.Linear: SkinnyLinear, MergedLinear: SkinnyMergedLinear,
 
 
 class DeferredNorm:
-    """Mixed in before a norm class: a one-row call (not float16, whose residual stream needs
-    transformers' clamp between the add and the norm) returns the norm as a ``Prologue``."""
+    """Mixed in before a norm class: a one-row call, or with the tile GEMM on a batch of rows it
+    takes (not float16, whose residual stream needs transformers' clamp between the add and the
+    norm), returns the norm as a ``Prologue``."""
 
     def _prologue(self, x: torch.Tensor, residual: torch.Tensor | None) -> Prologue:
         return Prologue(x, residual, norm="rms" if isinstance(self, RMSNorm) else "layer", norm_weight=self.weight,
                         norm_bias=getattr(self, "bias", None), eps=self.eps)
 
+    def _defers(self, x: torch.Tensor) -> bool:
+        if x.dtype == torch.float16:
+            return False
+        # a batch the tile GEMM takes with its norm whatever the projection after it (as [1, K])
+        return _one_row(x) or _tile_rows(x, self.weight.view(1, -1), fused=True)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor | Prologue:
-        if x.dtype != torch.float16 and _one_row(x):
+        if self._defers(x):
             return self._prologue(x, None)
         return super().forward(x)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor):
-        if x.dtype != torch.float16 and _one_row(x):
+        if self._defers(x):
             pro = self._prologue(x, residual)
             return pro, pro.res_out
         return super().add_forward(x, residual)
@@ -138,13 +149,13 @@ class ActInGemv:
     def forward(self, x: torch.Tensor | Prologue) -> torch.Tensor:
         first = self.gate_up if isinstance(self, GatedMLP) else self.fc1
         if self.act not in _GEMV_ACTS:
-            return super().forward(x)
+            return super().forward(x.materialize() if isinstance(x, Prologue) else x)
         if _one_row(x):
             product = skinny_linear
-        elif _tile_rows(x, first.weight, fused_act=True):
+        elif _tile_rows(x, first.weight, fused=True):
             product = tile_linear
         else:
-            return super().forward(x)
+            return super().forward(x.materialize() if isinstance(x, Prologue) else x)
         gated = isinstance(self, GatedMLP)
         return self.fc2(product(x, first.weight, first.bias, act=_GEMV_ACTS[self.act], gated=gated))
 
