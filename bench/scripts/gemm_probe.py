@@ -151,6 +151,8 @@ def main() -> None:
             with open(a.json, "w") as f:
                 json.dump(results, f, indent=1)
         return
+    import triton
+
     from enc2dec.kernels import set_programmatic_launch
     from enc2dec.kernels.tile_gemm import tile_linear
 
@@ -177,7 +179,10 @@ def main() -> None:
                     if k % config[2]:
                         continue
                     fn = (lambda config: lambda x, w: tile_linear(x, w, config=config))(config)
-                    err = (fn(x, weights[0]).float() - ref).abs().max().item()
+                    try:
+                        err = (fn(x, weights[0]).float() - ref).abs().max().item()
+                    except triton.runtime.errors.OutOfResources:       # over the shared memory
+                        continue
                     if err > 0.05 * ref.abs().max().item():
                         raise AssertionError(f"tile {config} off by {err} on {n}x{k}")
                     tiles[",".join(map(str, config))] = _time(fn, weights, x)
