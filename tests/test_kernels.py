@@ -301,12 +301,9 @@ def test_store_kv_matches_reference_and_skips_padding(dtype, cache_dtype):
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     store_kv(k, v, k_cache, v_cache, slots)
     ref.store_kv_ref(k, v, k_ref, v_ref, slots)
-    # A plain copy is exact, except that the CPU interpreter's fp32->bf16 rounding is off by
-    # up to one bf16 ulp (2**-8 relative) from torch's round-to-nearest-even.
-    exact = dtype == cache_dtype or DEVICE == "cuda"
-    tol = {"atol": 0, "rtol": 0} if exact else {"atol": 0, "rtol": 2 ** -7}
-    torch.testing.assert_close(k_cache, k_ref, equal_nan=True, **tol)
-    torch.testing.assert_close(v_cache, v_ref, equal_nan=True, **tol)
+    # a copy (a downcast rounds to nearest even, as torch's does): exact
+    torch.testing.assert_close(k_cache, k_ref, equal_nan=True, atol=0, rtol=0)
+    torch.testing.assert_close(v_cache, v_ref, equal_nan=True, atol=0, rtol=0)
     assert torch.isnan(k_cache).flatten(0, 1).all(-1).all(-1).sum() == num_blocks * tpb - (num_tokens - 2)
 
 
@@ -475,7 +472,7 @@ def check_fused(name, rows, n, k, dtype, exact_residual=False, product=None):
 @pytest.mark.parametrize("rows,n,k", [(1, 37, 100), (3, 20, 1300)])      # 1300 with 3 rows: statistics in pieces
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_skinny_linear_fuses_the_norm_before_it_and_the_activation_after_it(name, rows, n, k, dtype):
-    check_fused(name, rows, n, k, dtype)             # (the interpreter rounds bf16 down: residual compared closely)
+    check_fused(name, rows, n, k, dtype, exact_residual=True)
 
 
 @pytest.mark.parametrize("name", list(_FUSIONS))
@@ -484,7 +481,7 @@ def test_skinny_linear_fuses_the_norm_before_it_and_the_activation_after_it(name
 def test_tile_linear_fuses_the_norm_before_it_and_the_activation_after_it(name, rows, n, k, dtype):
     from enc2dec.kernels.tile_gemm import tile_linear
 
-    check_fused(name, rows, n, k, dtype, exact_residual=dtype == torch.float32, product=tile_linear)
+    check_fused(name, rows, n, k, dtype, exact_residual=True, product=tile_linear)
 
 
 def check_qkv_store(rows, slots, dtype, heads=3, head_dim=5, d=70, blocks=3, tpb=4):
