@@ -23,6 +23,7 @@ output would be):
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 
@@ -114,12 +115,7 @@ def _skinny_gemm_kernel(
         if GATED:
             w_up = tl.load(w_ptr + N.to(tl.int64) * stride_wn + w_offs, mask=mw, other=0.0).to(tl.float32)
             acc_up += tl.sum(x[:, None, :] * w_up[None, :, :], axis=2)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        if GATED:
-            acc_up += tl.load(b_ptr + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    if ACT != 0:
-        acc = _activate(acc, acc_up, act_dtype, ACT, GATED)
+    acc = _epilogue(acc, acc_up, b_ptr, offs_n, mask_n, N, act_dtype, HAS_BIAS, ACT, GATED)
     out = acc.to(out_ptr.dtype.element_ty)
     mo = mask_m[:, None] & mask_n[None, :]
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=mo)
@@ -133,9 +129,17 @@ def _skinny_gemm_kernel(
 
 
 @lazy_jit.helper
-def _activate(acc, acc_up, act_dtype, ACT: tl.constexpr, GATED: tl.constexpr):
-    # ACT (1 gelu erf, 2 gelu tanh, 3 relu) of the product rounded to the activation dtype, as
-    # the separate activation kernel reads it; GATED: times the rounded "up" product
+def _epilogue(acc, acc_up, b_ptr, offs_n, mask_n, N, act_dtype, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+              GATED: tl.constexpr):
+    # the bias (GATED: the "up" half's from b[N:]), then ACT (1 gelu erf, 2 gelu tanh, 3 relu) of
+    # the product rounded to the activation dtype, as the separate activation kernel reads it;
+    # GATED: times the rounded "up" product
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(b_ptr + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    if ACT == 0:
+        return acc
     g = acc.to(act_dtype).to(tl.float32)
     if ACT == 1:
         g = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
@@ -202,6 +206,38 @@ class Prologue:
         return out
 
 
+class InputArgs(NamedTuple):
+    """A product's input as its kernel's arguments: the rows ``x`` (2-D, unit stride), and for a
+    ``Prologue`` its residual, the new residual's buffer, the norm (0 none, 1 RMS, 2 Layer)
+    with its weight, bias and eps (placeholders where absent)."""
+
+    x: torch.Tensor
+    res: torch.Tensor
+    res_out: torch.Tensor
+    norm: int
+    nw: torch.Tensor
+    nb: torch.Tensor
+    eps: float
+    has_res: bool
+    norm_bias: bool
+
+
+def input_args(x: torch.Tensor | Prologue, rows: int, k: int, weight: torch.Tensor) -> InputArgs:
+    pro = x if isinstance(x, Prologue) else None
+    x2 = (pro.x if pro is not None else x).reshape(rows, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if pro is None:
+        return InputArgs(x2, x2, x2, 0, weight, weight, 0.0, False, False)
+    res = res_out = x2
+    if pro.residual is not None:
+        res = pro.residual.reshape(rows, k).contiguous()
+        res_out = pro.res_out.view(rows, k)
+    nb = pro.norm_bias if pro.norm_bias is not None else weight
+    return InputArgs(x2, res, res_out, 1 if pro.norm == "rms" else 2, pro.norm_weight, nb, float(pro.eps),
+                     pro.residual is not None, pro.norm_bias is not None)
+
+
 def activation_ref(y: torch.Tensor, act: str | None, gated: bool) -> torch.Tensor:
     """What the GEMV's activation epilogue computes from the plain product ``y`` [..., N or 2N]."""
     if act is None:
@@ -257,21 +293,14 @@ def skinny_linear(x: torch.Tensor | Prologue, weight: torch.Tensor, bias: torch.
     if gated:
         assert n % 2 == 0, f"a gated product needs an even number of weight rows, got {n}"
         n //= 2
-    x2 = src.reshape(rows, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    res = res_out = x2
-    if pro is not None and pro.residual is not None:
-        res = pro.residual.reshape(rows, k).contiguous()
-        res_out = pro.res_out.view(rows, k)
+    inputs = input_args(x, rows, k, weight)
+    x2, res, res_out = inputs.x, inputs.res, inputs.res_out
     out = torch.empty((rows, n), dtype=src.dtype, device=src.device)
     block_m = max(1, 1 << (rows - 1).bit_length())
     default_n, default_k, default_warps = launch_config(rows, n, k)
     block_n, block_k, num_warps = block_n or default_n, block_k or default_k, num_warps or default_warps
     grid = ((n + block_n - 1) // block_n,)
-    norm = 0 if pro is None else (1 if pro.norm == "rms" else 2)
-    nw = pro.norm_weight if norm else weight
-    nb = pro.norm_bias if norm and pro.norm_bias is not None else weight
+    norm = inputs.norm
     stats = min(1 << (k - 1).bit_length(), 4096 // block_m) if norm else 1
     k_cache = v_cache = slots = weight
     kv_width = 0
@@ -280,13 +309,12 @@ def skinny_linear(x: torch.Tensor | Prologue, weight: torch.Tensor, bias: torch.
         kv_width = n // 3
         assert n % 3 == 0 and k_cache.is_contiguous() and v_cache.is_contiguous() and \
             k_cache[0, 0].numel() == kv_width, "kv_store needs a q|k|v output and contiguous caches of its width"
-    _skinny_gemm_kernel[grid](x2, weight, bias if bias is not None else weight, out, res, nw, nb, res_out,
+    _skinny_gemm_kernel[grid](x2, weight, bias if bias is not None else weight, out, res, inputs.nw, inputs.nb, res_out,
                               k_cache, v_cache, slots,
                               rows, n, k, x2.stride(0), weight.stride(0), out.stride(0), res.stride(0),
-                              res_out.stride(0), float(pro.eps) if pro is not None else 0.0, kv_width,
+                              res_out.stride(0), inputs.eps, kv_width,
                               BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
-                              NORM=norm, HAS_RES=bool(norm) and pro.residual is not None,
-                              NORM_BIAS=bool(norm) and pro.norm_bias is not None, STATS_BLOCK=stats,
+                              NORM=norm, HAS_RES=inputs.has_res, NORM_BIAS=inputs.norm_bias, STATS_BLOCK=stats,
                               ONE_PASS=stats >= k,
                               ACT=ACTIVATIONS[act], GATED=gated, STORE_KV=kv_store is not None,
                               num_warps=num_warps, **launch_options(x2))

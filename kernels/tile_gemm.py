@@ -21,7 +21,7 @@ import torch
 
 from . import can_use_triton, launch_options, lazy_jit, wait_for_previous_kernel
 from .reference import skinny_linear_ref
-from .skinny_gemm import ACTIVATIONS, Prologue, _activate, _prefetch_rows, activation_ref
+from .skinny_gemm import ACTIVATIONS, Prologue, _epilogue, _prefetch_rows, activation_ref, input_args
 
 tl = None  # triton.language, bound by lazy_jit at the first launch (annotations stay strings)
 
@@ -100,12 +100,7 @@ def _tile_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, nb_ptr, res
         if GATED:
             b_up = tl.load(up_ptr + w_rows + offs_k[:, None], mask=mask_w, other=0.0)
             acc_up = tl.dot(a, b_up, acc_up, input_precision="ieee" if IEEE else None)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        if GATED:
-            acc_up += tl.load(b_ptr + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    if ACT != 0:
-        acc = _activate(acc, acc_up, act_dtype, ACT, GATED)
+    acc = _epilogue(acc, acc_up, b_ptr, offs_n, mask_n, N, act_dtype, HAS_BIAS, ACT, GATED)
     tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :], acc.to(act_dtype),
              mask=mask_m[:, None] & mask_n[None, :])
 
@@ -183,16 +178,7 @@ def tile_linear(x: torch.Tensor | Prologue, weight: torch.Tensor, bias: torch.Te
     if gated:
         assert n % 2 == 0, f"a gated product needs an even number of weight rows, got {n}"
         n //= 2
-    x2 = src.reshape(rows, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    res = res_out = x2
-    if pro is not None and pro.residual is not None:
-        res = pro.residual.reshape(rows, k).contiguous()
-        res_out = pro.res_out.view(rows, k)
-    norm = 0 if pro is None else (1 if pro.norm == "rms" else 2)
-    nw = pro.norm_weight if norm else weight
-    nb = pro.norm_bias if norm and pro.norm_bias is not None else weight
+    inputs = input_args(x, rows, k, weight)
     out = torch.empty((rows, n), dtype=src.dtype, device=src.device)
     if config is None:
         # a gated product reads both halves: the tiling of its whole weight, each half's tile half as wide
@@ -203,12 +189,12 @@ def tile_linear(x: torch.Tensor | Prologue, weight: torch.Tensor, bias: torch.Te
     else:
         block_m, block_n, block_k, num_warps, num_stages = config
     grid = (-(-n // block_n), -(-rows // block_m))
-    _tile_gemm_kernel[grid](x2, weight, bias if bias is not None else weight, out, res, nw, nb, res_out,
-                            rows, n, k, x2.stride(0), weight.stride(0), out.stride(0), res.stride(0),
-                            res_out.stride(0), float(pro.eps) if pro is not None else 0.0,
+    x2 = inputs.x
+    _tile_gemm_kernel[grid](x2, weight, bias if bias is not None else weight, out, inputs.res, inputs.nw, inputs.nb,
+                            inputs.res_out, rows, n, k, x2.stride(0), weight.stride(0), out.stride(0),
+                            inputs.res.stride(0), inputs.res_out.stride(0), inputs.eps,
                             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
-                            NORM=norm, HAS_RES=bool(norm) and pro.residual is not None,
-                            NORM_BIAS=bool(norm) and pro.norm_bias is not None,
+                            NORM=inputs.norm, HAS_RES=inputs.has_res, NORM_BIAS=inputs.norm_bias,
                             ACT=ACTIVATIONS[act], GATED=gated, IEEE=weight.dtype == torch.float32,
                             EVEN_K=k % block_k == 0, num_warps=num_warps, num_stages=num_stages,
                             **launch_options(x2))
