@@ -79,9 +79,11 @@ def _rows(x: torch.Tensor | Prologue) -> int:
 def _tile_rows(x: torch.Tensor | Prologue, weight: torch.Tensor, fused: bool = False) -> bool:
     # rows whose product the tile kernel takes and runs faster than cuBLAS (on the GPU, or the
     # interpreter); ``fused``: a deferred norm or an activation would ride in it
+    if not _TILE["on"]:
+        return False
     src = x.x if isinstance(x, Prologue) else x
     rows = _rows(src)
-    return _TILE["on"] and tile_pays(rows, *weight.shape, fused or isinstance(x, Prologue)) and \
+    return tile_pays(rows, *weight.shape, fused or isinstance(x, Prologue)) and \
         tile_linear_supported(rows, weight) and can_use_triton(src, weight)
 
 
