@@ -1,5 +1,5 @@
-"""``y = act(x @ W.T + b)`` for a decode step's batch of rows (17-256): a tensor-core tile GEMM
-that launches programmatically.
+"""``y = act(x @ W.T + b)`` for a decode step's batch of rows (2-256; the engine sends it up to
+64): a tensor-core tile GEMM that launches programmatically.
 
 A decode step at C=64 runs ~150 products of 64 rows; each costs cuBLAS about 4 us on an H100 or
 an H200 alike, 4-8x its weight read (docs/benchmarks.md, session 33's ``gemm_probe.py``): the
@@ -13,7 +13,8 @@ takes it only with programmatic launch on (``tuning.tile_gemm``).
 
 Programs are ``BLOCK_N`` output features by ``BLOCK_M`` rows (narrow, so even a 1024-wide
 product keeps many SMs reading); the activation epilogue (``act``, ``gated``) is the skinny
-GEMV's, so a gated MLP's gate|up product and ``act(gate) * up`` stay one kernel here too.
+GEMV's, so a gated MLP's gate|up product and ``act(gate) * up`` stay one kernel here too, and so
+is its input ``Prologue``: a pre-norm (+ residual add) computed as the rows load.
 """
 from __future__ import annotations
 
