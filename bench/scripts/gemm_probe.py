@@ -56,8 +56,10 @@ LAYER_CHAINS = {
                                      ("fc1", 5120, 1280, "gelu", False, True), ("fc2", 1280, 5120, None, False, True)]),
 }
 
-TILE_CONFIGS = [(bm, bn, bk, w, st) for bm in (64,) for bn in (16, 32, 64) for bk in (64, 128, 256)
-                for w in (4,) for st in (2, 3, 4)]
+# 128-row tiles (8 warps) for 65-128 rows: one row tile reads each weight once, where two 64-row
+# ones read it twice (session 37's sweep had only 64-row tiles, and lost to cuBLAS at 128 rows).
+TILE_CONFIGS = [(64, bn, bk, 4, st) for bn in (16, 32, 64) for bk in (64, 128, 256) for st in (2, 3, 4)] + \
+    [(128, bn, bk, 8, st) for bn in (16, 32, 64) for bk in (64, 128) for st in (2, 3)]
 
 
 def _step_time(run, launches: int = 5) -> float:
@@ -176,7 +178,7 @@ def main() -> None:
                 ref = F.linear(x, weights[0]).float()
                 tiles = {}
                 for config in TILE_CONFIGS:
-                    if k % config[2]:
+                    if k % config[2] or config[0] > max(64, rows):
                         continue
                     fn = (lambda config: lambda x, w: tile_linear(x, w, config=config))(config)
                     try:
