@@ -27,7 +27,7 @@ class TritonAttentionBackend:
     name = "triton"
 
     def __init__(self, min_keys_per_split: int = MIN_KEYS_PER_SPLIT, last_split_merges: bool = True,
-                 store_in_kernel: bool = False):
+                 store_in_kernel: bool = True):
         self.min_keys_per_split = min_keys_per_split     # split-K floor of the paged kernel (tuning)
         self.last_split_merges = last_split_merges       # the splits merged in the same launch (tuning)
         self.store_in_kernel = store_in_kernel           # decode steps' K/V stored by the attention kernel (tuning)

@@ -247,7 +247,8 @@ def test_backend_self_attention_stores_new_kv_on_decode_and_prefix_steps():
         g = torch.Generator().manual_seed(24)
         new_k, new_v = (torch.randn(case["q"].shape, generator=g).to(DEVICE) for _ in range(2))
         results = []
-        for backend in (TritonAttentionBackend(store_in_kernel=True), TritonAttentionBackend(), TorchAttentionBackend()):
+        for backend in (TritonAttentionBackend(store_in_kernel=True), TritonAttentionBackend(store_in_kernel=False),
+                        TorchAttentionBackend()):
             k_cache, v_cache = case["k_cache"].clone(), case["v_cache"].clone()
             out = backend.self_attention(case["q"], k_cache, v_cache, meta, 1.0, case["bias"], new_kv=(new_k, new_v))
             results.append((out, k_cache, v_cache))

@@ -156,7 +156,7 @@ class KVCache:
 
 
 def get_attention_backend(name: str, min_keys_per_split: int = 32, last_split_merges: bool = True,
-                          store_in_kernel: bool = False):
+                          store_in_kernel: bool = True):
     """``min_keys_per_split``, ``last_split_merges``, ``store_in_kernel``: the triton backend's
     options (``TuningConfig``)."""
     name = canonical_backend_name(name)
