@@ -149,16 +149,17 @@ class ActInGemv:
     the batched rows that kernel takes."""
 
     def forward(self, x: torch.Tensor | Prologue) -> torch.Tensor:
-        first = self.gate_up if isinstance(self, GatedMLP) else self.fc1
+        # (the unfused forward hands a deferred norm on to its first projection, whose ``linear`` takes it)
+        gated = isinstance(self, GatedMLP)
+        first = self.gate_up if gated else self.fc1
         if self.act not in _GEMV_ACTS:
-            return super().forward(x.materialize() if isinstance(x, Prologue) else x)
+            return super().forward(x)
         if _one_row(x):
             product = skinny_linear
         elif _tile_rows(x, first.weight, fused=True):
             product = tile_linear
         else:
-            return super().forward(x.materialize() if isinstance(x, Prologue) else x)
-        gated = isinstance(self, GatedMLP)
+            return super().forward(x)
         return self.fc2(product(x, first.weight, first.bias, act=_GEMV_ACTS[self.act], gated=gated))
 
 

@@ -24,7 +24,6 @@ from enc2dec.engine.parallel.distributed import SINGLE, TensorParallelGroup
 from enc2dec.engine.runner.cpu_threads import on_fresh_thread
 from enc2dec.engine.runner.cuda_graph import scatter_rows
 from enc2dec.engine.runner.fast_linear import set_tile_gemm, skinny_linear_enabled, use_skinny_linear
-from enc2dec.kernels import programmatic_launch_on, set_programmatic_launch
 from enc2dec.engine.runner.fast_norms import use_triton_norms
 from enc2dec.engine.runner.host_to_device import to_device
 from enc2dec.engine.core.kv_sizing import auto_cpu_kv_budget, kv_bytes_per_token, plan_kv_pools
@@ -34,6 +33,7 @@ from enc2dec.engine.runner.greedy_head import GreedyHead, greedy_head_available
 from enc2dec.engine.runner.sampler import (BeamGroup, DeviceSample, Sampler, SeqSamplingState, all_plain_greedy,
                                            all_simple)
 from enc2dec.engine.runner.sampling_ops import stream_key
+from enc2dec.kernels import programmatic_launch_on, set_programmatic_launch
 
 logger = logging.getLogger("enc2dec")
 
