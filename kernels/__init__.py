@@ -136,7 +136,7 @@ class lazy_jit:
             if interpreting():
                 _check_interpreter_mode(tl)
                 _patch_interpreter_index()
-                _patch_interpreter_fp8(tl)
+                _patch_interpreter_downcasts(tl)
                 _patch_interpreter_bf16_dot(tl)
             module = self.fn.__globals__
             module["tl"] = tl
@@ -192,7 +192,7 @@ def _patch_interpreter_index() -> None:
 
 
 @functools.cache
-def _patch_interpreter_fp8(tl) -> None:
+def _patch_interpreter_downcasts(tl) -> None:
     """Let triton<=3.6's CPU interpreter round float32 -> float8 e4m3 and -> bfloat16 as the GPU
     does (to nearest, ties to even).
 
@@ -221,7 +221,8 @@ def _patch_interpreter_fp8(tl) -> None:
         return
 
     def convert_float(input, input_dtype, output_dtype, rounding_mode):
-        if input_dtype == tl.float32 and output_dtype in wrong:
+        # only to-nearest-even casts (the default; an explicit round-toward-zero stays the interpreter's)
+        if input_dtype == tl.float32 and output_dtype in wrong and rounding_mode in (None, ir.ROUNDING_MODE.RTNE):
             dtype, bits = wrong[output_dtype]
             values = torch.from_numpy(np.ascontiguousarray(input, dtype=np.float32))
             out = values.to(dtype).view(bits).numpy()
