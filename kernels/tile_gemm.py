@@ -18,6 +18,10 @@ is its input ``Prologue``: a pre-norm (+ residual add) computed as the rows load
 """
 from __future__ import annotations
 
+import functools
+import json
+import os
+
 import torch
 
 from . import can_use_triton, launch_options, lazy_jit, wait_for_previous_kernel
@@ -31,9 +35,9 @@ MAX_ROWS = 256    # the most rows it takes; ``tile_pays`` says where it is the f
 
 
 @lazy_jit
-def _tile_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, nb_ptr, res_out_ptr,
-                      M, N, K, stride_xm, stride_wn, stride_om, stride_rm, stride_rom, eps,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _tile_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, nb_ptr, res_out_ptr, part_ptr, count_ptr,
+                      M, N, K, K_SPLIT, stride_xm, stride_wn, stride_om, stride_rm, stride_rom, eps,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                       HAS_BIAS: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, NORM_BIAS: tl.constexpr,
                       ACT: tl.constexpr, GATED: tl.constexpr, IEEE: tl.constexpr,
                       EVEN_K: tl.constexpr, PDL: tl.constexpr):
@@ -42,17 +46,25 @@ def _tile_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, nb_ptr, res
     # IEEE: float32 operands multiplied as float32 (tl.dot's default would round them to tf32).
     # Prologue, NORM: 0 none, 1 RMSNorm, 2 LayerNorm of x (+ residual with HAS_RES, the sum
     # rounded to the activation dtype; the programs of the first feature tile write it out).
-    pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+    # SPLIT_K > 1 (no prologue): program (n, m, s) sums K's piece [s * K_SPLIT, (s + 1) * K_SPLIT)
+    # into its float32 partial part[s, (up,) M, N]; the last of a tile's SPLIT_K programs to count
+    # itself in count[tile] adds the partials in the order of s (the same sum whichever program
+    # comes last), applies the epilogue and sets the count back to 0 for the next launch.
+    pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_n, mask_m = offs_n < N, offs_m < M
     up_ptr = w_ptr + N.to(tl.int64) * stride_wn
+    k_lo = pid_k * K_SPLIT
+    k_hi = K
+    if SPLIT_K > 1:
+        k_hi = tl.minimum(K, k_lo + K_SPLIT)
     if PDL:
         # The programs of one column of tiles read the same weight rows: the first asks for them.
         if pid_m == 0:
-            _prefetch_rows(w_ptr, offs_n, mask_n, stride_wn, K, BLOCK_K)
+            _prefetch_rows(w_ptr + k_lo, offs_n, mask_n, stride_wn, k_hi - k_lo, BLOCK_K)
             if GATED:
-                _prefetch_rows(up_ptr, offs_n, mask_n, stride_wn, K, BLOCK_K)
+                _prefetch_rows(up_ptr + k_lo, offs_n, mask_n, stride_wn, k_hi - k_lo, BLOCK_K)
         wait_for_previous_kernel()      # before the first activation load
     act_dtype = out_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -80,7 +92,7 @@ def _tile_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, nb_ptr, res
                 c = tl.where(((offs_k < K) | EVEN_K)[None, :], h - mean[:, None], 0.0)
                 s2 += tl.sum(c * c, axis=1)
             rstd = tl.rsqrt(s2 / K + eps)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = (offs_k < K) | EVEN_K
         mk = mask_m[:, None] & mask_k[None, :]
@@ -101,9 +113,31 @@ def _tile_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, nb_ptr, res
         if GATED:
             b_up = tl.load(up_ptr + w_rows + offs_k[:, None], mask=mask_w, other=0.0)
             acc_up = tl.dot(a, b_up, acc_up, input_precision="ieee" if IEEE else None)
-    acc = _epilogue(acc, acc_up, b_ptr, offs_n, mask_n, N, act_dtype, HAS_BIAS, ACT, GATED)
-    tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :], acc.to(act_dtype),
-             mask=mask_m[:, None] & mask_n[None, :])
+    mask_out = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K > 1:
+        tile_part = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        plane = M.to(tl.int64) * N * (2 if GATED else 1)            # one split's partials
+        tl.store(part_ptr + pid_k * plane + tile_part, acc, mask=mask_out, cache_modifier=".cg")
+        if GATED:
+            tl.store(part_ptr + pid_k * plane + M * N + tile_part, acc_up, mask=mask_out, cache_modifier=".cg")
+        tl.debug_barrier()              # every thread's partial stored before the count (release) says so
+        count = count_ptr + pid_m * tl.num_programs(0) + pid_n
+        if tl.atomic_add(count, 1, sem="acq_rel") == SPLIT_K - 1:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in range(SPLIT_K):
+                acc += tl.load(part_ptr + s * plane + tile_part, mask=mask_out, other=0.0, cache_modifier=".cg")
+                if GATED:
+                    acc_up += tl.load(part_ptr + s * plane + M * N + tile_part, mask=mask_out, other=0.0,
+                                      cache_modifier=".cg")
+            acc = _epilogue(acc, acc_up, b_ptr, offs_n, mask_n, N, act_dtype, HAS_BIAS, ACT, GATED)
+            tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :], acc.to(act_dtype),
+                     mask=mask_out)
+            tl.atomic_xchg(count, 0, sem="relaxed")
+    else:
+        acc = _epilogue(acc, acc_up, b_ptr, offs_n, mask_n, N, act_dtype, HAS_BIAS, ACT, GATED)
+        tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :], acc.to(act_dtype),
+                 mask=mask_out)
 
 
 @lazy_jit.helper
@@ -119,9 +153,11 @@ def _norm_input(x_rows, r_rows, k0, K, mask_m, act_dtype, BLOCK_K: tl.constexpr,
     return h
 
 
-def launch_config(rows: int, n: int, k: int, itemsize: int = 2) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for an ``[rows, k] x [n, k]^T`` product
-    of ``itemsize``-byte elements.
+def launch_config(rows: int, n: int, k: int, itemsize: int = 2,
+                  split_ok: bool = True) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) for an ``[rows, k] x [n, k]^T``
+    product of ``itemsize``-byte elements: the measured file's (``measured_configs``) where it
+    has the shape (its best unsplit one unless ``split_ok``), else the rule below (no split).
 
     From session 37's sweep on an H100 (``gemm_probe.py --triton --pdl``, 64 rows, flan-t5-large's
     and whisper-large-v3's decode products, docs/benchmarks.md): four stages; 32 features by 128 of
@@ -131,6 +167,10 @@ def launch_config(rows: int, n: int, k: int, itemsize: int = 2) -> tuple[int, in
     to 64 (``tl.dot`` needs 16). Float32 takes half the K step and three stages, within shared
     memory; a K that no step divides (small test models) takes 16-64 with its tail masked."""
     block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
+    measured = measured_configs().get((_rows_bucket(rows), n, k))
+    if measured is not None and itemsize == 2:
+        config = tuple(measured["config"] if split_ok else measured.get("unsplit", measured["config"]))
+        return (min(config[0], block_m),) + config[1:5] + ((config[5] if split_ok else 1),)
     if n >= 4096:
         block_n, block_k = 64, 128
     elif k > 2048:
@@ -144,7 +184,27 @@ def launch_config(rows: int, n: int, k: int, itemsize: int = 2) -> tuple[int, in
         block_k, stages = block_k // 2, 3
     if k % block_k:
         block_k = 64 if k % 64 == 0 else min(64, max(16, 1 << (k - 1).bit_length()))
-    return block_m, block_n, block_k, 4, stages
+    return block_m, block_n, block_k, 4, stages, 1
+
+
+def _rows_bucket(rows: int) -> int:
+    return 64 if rows <= 64 else 128 if rows <= 128 else 256
+
+
+@functools.cache
+def measured_configs() -> dict[tuple[int, int, int], dict]:
+    """Configurations measured on this kind of GPU, from the JSON file ``ENC2DEC_TILE_GEMM_CONFIGS``
+    names (``bench/scripts/gemm_probe.py --triton --save-configs``, as vLLM ships its tuned Triton
+    MoE configurations): ``{"rows,n,k": {"config": [BLOCK_M, BLOCK_N, BLOCK_K, warps, stages,
+    SPLIT_K], "unsplit": [the best with SPLIT_K 1], "pays": bool}}`` with rows 64, 128 or 256
+    (the largest row count it holds); "pays": whether it beat cuBLAS there. Empty without the
+    variable. Read once a process."""
+    path = os.environ.get("ENC2DEC_TILE_GEMM_CONFIGS")
+    if not path:
+        return {}
+    with open(path) as f:
+        raw = json.load(f)
+    return {tuple(int(v) for v in key.split(",")): value for key, value in raw.items()}
 
 
 def tile_pays(rows: int, n: int, k: int, fused_act: bool) -> bool:
@@ -153,7 +213,34 @@ def tile_pays(rows: int, n: int, k: int, fused_act: bool) -> bool:
     heads, not on the wide plain ones (whisper's 5120 x 1280 fc1: 8.0 us against 7.3; 1280 x 5120
     fc2: 10.3 against 9.6) unless the MLP's activation rides in it (a kernel saved); at 128 rows
     cuBLAS won every shape but the square ones (flan-t5-large's products 0.775 against 0.770 ms)."""
+    measured = measured_configs().get((_rows_bucket(rows), n, k))
+    if measured is not None:
+        return bool(measured["pays"]) or (fused_act and rows <= 64)
     return rows <= 64 and (fused_act or n * k <= 5 << 20 or n >= 32768)
+
+
+# Split-K counters: one int32 a tile, zero between launches (the tile's last program sets it back).
+# A product's counters are its own (keyed by its weight and tiling), so two products never share
+# one, even on two streams; the pool is made outside any CUDA graph capture (a graph would replay
+# its zeroing), and a product first seen under capture with no pool yet runs unsplit.
+_COUNTS: dict = {}
+_COUNT_POOL = 1 << 16
+
+
+def _split_counts(device: torch.device, key: tuple, tiles: int) -> torch.Tensor | None:
+    entry = _COUNTS.get(device)
+    if entry is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        entry = _COUNTS[device] = {"pool": torch.zeros(_COUNT_POOL, dtype=torch.int32, device=device), "at": {},
+                                   "used": 0}
+    at = entry["at"].get(key)
+    if at is None:
+        if entry["used"] + tiles > _COUNT_POOL:
+            return None
+        at = entry["at"][key] = entry["used"]
+        entry["used"] += tiles
+    return entry["pool"][at:at + tiles]
 
 
 def tile_linear_supported(rows: int, weight: torch.Tensor) -> bool:
@@ -164,12 +251,13 @@ def tile_linear_supported(rows: int, weight: torch.Tensor) -> bool:
 
 def tile_linear(x: torch.Tensor | Prologue, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                 act: str | None = None, gated: bool = False,
-                config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+                config: tuple[int, ...] | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x [..., K]`` with ``MIN_ROWS``-``MAX_ROWS`` rows of a
     ``weight [N, K]`` (K >= 16; float32 multiplied as float32); ``x`` may be a ``Prologue`` (its
     norm computed as the rows load; the first feature tile's programs write its new residual),
     ``act`` and ``gated`` as ``skinny_linear``'s. Other inputs (or no Triton) take the torch
-    references. ``config`` overrides ``launch_config`` (``bench/scripts/gemm_probe.py``)."""
+    references. ``config`` overrides ``launch_config`` (``bench/scripts/gemm_probe.py``; its sixth
+    element, SPLIT_K, defaults to 1)."""
     pro = x if isinstance(x, Prologue) else None
     src = pro.x if pro is not None else x
     rows = src.numel() // src.shape[-1] if src.shape[-1] else 0
@@ -183,18 +271,31 @@ def tile_linear(x: torch.Tensor | Prologue, weight: torch.Tensor, bias: torch.Te
     out = torch.empty((rows, n), dtype=src.dtype, device=src.device)
     if config is None:
         # a gated product reads both halves: the tiling of its whole weight, each half's tile half as wide
-        block_m, block_n, block_k, num_warps, num_stages = launch_config(rows, weight.shape[0], k, weight.element_size())
+        # a prologue's row statistics span the whole K, which a split would read once per piece
+        block_m, block_n, block_k, num_warps, num_stages, split = launch_config(
+            rows, weight.shape[0], k, weight.element_size(), split_ok=pro is None)
         block_n = max(16, block_n // 2) if gated else block_n
         # a normalised input tile is made in registers and staged for the dot: two stages leave room
         num_stages = 2 if pro is not None else num_stages
     else:
-        block_m, block_n, block_k, num_warps, num_stages = config
-    grid = (-(-n // block_n), -(-rows // block_m))
+        block_m, block_n, block_k, num_warps, num_stages, split = (tuple(config) + (1,))[:6]
+    # K in pieces of whole K steps; the split is how many pieces that makes
+    k_split = -(-k // (split * block_k)) * block_k if split > 1 else k
+    split = -(-k // k_split)
+    grid = (-(-n // block_n), -(-rows // block_m), split)
     x2 = inputs.x
+    part = counts = weight                           # unread unless split
+    if split > 1:
+        counts = _split_counts(src.device, (weight.data_ptr(), n, k, grid[0], grid[1]), grid[0] * grid[1])
+        if counts is None:
+            grid, split, k_split = grid[:2] + (1,), 1, k
+            counts = weight
+        else:
+            part = torch.empty((split, 2 if gated else 1, rows, n), dtype=torch.float32, device=src.device)
     _tile_gemm_kernel[grid](x2, weight, bias if bias is not None else weight, out, inputs.res, inputs.nw, inputs.nb,
-                            inputs.res_out, rows, n, k, x2.stride(0), weight.stride(0), out.stride(0),
-                            inputs.res.stride(0), inputs.res_out.stride(0), inputs.eps,
-                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
+                            inputs.res_out, part, counts, rows, n, k, k_split, x2.stride(0), weight.stride(0),
+                            out.stride(0), inputs.res.stride(0), inputs.res_out.stride(0), inputs.eps,
+                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, HAS_BIAS=bias is not None,
                             NORM=inputs.norm, HAS_RES=inputs.has_res, NORM_BIAS=inputs.norm_bias,
                             ACT=ACTIVATIONS[act], GATED=gated, IEEE=weight.dtype == torch.float32,
                             EVEN_K=k % block_k == 0, num_warps=num_warps, num_stages=num_stages,

@@ -151,6 +151,10 @@ def _cases():
                 ("tile_gemm down, 256 rows", tile_gemm, lambda: tile(rand(256, ff), rand(d, ff))),
                 ("tile_gemm whisper fc1 + bias + gelu, 128 rows", tile_gemm,
                  lambda: tile(rand(128, 1280), rand(5120, 1280), rand(5120), act="gelu")),
+                ("tile_gemm down split over K in 4, 64 rows", tile_gemm,
+                 lambda: tile(rand(64, ff), rand(d, ff), config=(64, 64, 128, 4, 3, 4))),
+                ("tile_gemm gate|up + gelu_tanh split over K in 2, 64 rows", tile_gemm,
+                 lambda: tile(rand(64, d), rand(2 * ff, d), act="gelu_tanh", gated=True, config=(64, 64, 128, 4, 3, 2))),
                 ("tile_gemm float32, 24 rows", tile_gemm,
                  lambda: tile(rand(24, 512, dtype=torch.float32), rand(512, 512, dtype=torch.float32)))]
 

@@ -485,6 +485,30 @@ def test_tile_linear_fuses_the_norm_before_it_and_the_activation_after_it(name, 
     check_fused(name, rows, n, k, dtype, exact_residual=True, product=tile_linear)
 
 
+@pytest.mark.parametrize("name,rows,n,k,split", [("plain", 17, 40, 128, 2), ("gelu", 64, 48, 256, 4),
+                                                  ("gated gelu_tanh", 5, 20, 96, 3), ("plain", 70, 24, 200, 3),
+                                                  ("rms+residual, gated gelu_tanh", 9, 24, 160, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tile_linear_split_over_k_gives_the_unsplit_product(name, rows, n, k, split, dtype):
+    """K in pieces (SPLIT_K programs a tile, the last to finish adds their float32 partials in
+    order): the product, activation and residual of the unsplit kernel, the same bits on every
+    launch whichever program finishes last, and the tiles' counters back at zero for the next."""
+    from enc2dec.kernels import tile_gemm
+
+    g = torch.Generator().manual_seed(rows * 11 + k)
+    make, w, b, act = _fused_case(name, rows, n, k, dtype, g)
+    config = (32, 16, 32, 4, 2)
+    whole, first, again = make(), make(), make()
+    expected = tile_gemm.tile_linear(whole, w, b, **act, config=config + (1,))
+    got = tile_gemm.tile_linear(first, w, b, **act, config=config + (split,))
+    assert_close(got, expected, dtype)
+    assert torch.equal(tile_gemm.tile_linear(again, w, b, **act, config=config + (split,)), got)
+    if isinstance(first, Prologue) and first.residual is not None:
+        assert torch.equal(first.res_out, whole.res_out)
+    pool = tile_gemm._COUNTS[w.device]
+    assert pool["used"] > 0 and not pool["pool"].any()
+
+
 def check_qkv_store(rows, slots, dtype, heads=3, head_dim=5, d=70, blocks=3, tpb=4):
     """The q|k|v projection with ``kv_store`` returns the product and writes its k and v
     thirds at each row's slot (a negative slot nowhere), exactly as ``store_kv`` after it."""
@@ -622,3 +646,28 @@ def test_package_imports_without_triton():
             "import enc2dec.kernels as k, enc2dec.kernels.backend\n"
             "assert not k.triton_available() and k.TritonAttentionBackend.name == 'triton'\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_tile_gemm_takes_the_measured_configurations_file(tmp_path, monkeypatch):
+    """ENC2DEC_TILE_GEMM_CONFIGS (gemm_probe.py --save-configs): a shape it holds takes its
+    measured tiling (the unsplit one under a norm prologue) and its measured verdict against
+    cuBLAS; other shapes keep the built-in rule."""
+    import json
+
+    from enc2dec.kernels import tile_gemm
+
+    path = tmp_path / "configs.json"
+    path.write_text(json.dumps({"64,1024,2816": {"config": [64, 64, 128, 4, 3, 4], "unsplit": [64, 16, 256, 4, 4, 1],
+                                                 "pays": True},
+                                "64,5120,1280": {"config": [64, 64, 128, 4, 3, 1], "pays": False}}))
+    monkeypatch.setenv("ENC2DEC_TILE_GEMM_CONFIGS", str(path))
+    tile_gemm.measured_configs.cache_clear()
+    try:
+        assert tile_gemm.launch_config(48, 1024, 2816) == (64, 64, 128, 4, 3, 4)
+        assert tile_gemm.launch_config(8, 1024, 2816, split_ok=False) == (16, 16, 256, 4, 4, 1)
+        assert tile_gemm.launch_config(64, 1024, 1024) == tile_gemm.launch_config(64, 1000, 1024)[:1] + (32, 128, 4, 4, 1)
+        assert tile_gemm.tile_pays(64, 1024, 2816, False)
+        assert not tile_gemm.tile_pays(64, 5120, 1280, False) and tile_gemm.tile_pays(64, 5120, 1280, True)
+        assert not tile_gemm.tile_pays(128, 1024, 2816, False)            # no 128-row entry: the rule's cuBLAS
+    finally:
+        tile_gemm.measured_configs.cache_clear()

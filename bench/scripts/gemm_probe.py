@@ -58,8 +58,11 @@ LAYER_CHAINS = {
 
 # 128-row tiles (8 warps) for 65-128 rows: one row tile reads each weight once, where two 64-row
 # ones read it twice (session 37's sweep had only 64-row tiles, and lost to cuBLAS at 128 rows).
-TILE_CONFIGS = [(64, bn, bk, 4, st) for bn in (16, 32, 64) for bk in (64, 128, 256) for st in (2, 3, 4)] + \
-    [(128, bn, bk, 8, st) for bn in (16, 32, 64) for bk in (64, 128) for st in (2, 3)]
+# Split-K (the sixth element): wider feature tiles, K in 2-8 pieces, so a 64-row product keeps
+# the SMs busy with each program reading a fraction of the rows' activations.
+TILE_CONFIGS = [(64, bn, bk, 4, st, 1) for bn in (16, 32, 64) for bk in (64, 128, 256) for st in (2, 3, 4)] + \
+    [(128, bn, bk, 8, st, 1) for bn in (16, 32, 64) for bk in (64, 128) for st in (2, 3)] + \
+    [(64, bn, bk, 4, 3, sk) for bn in (32, 64, 128) for bk in (64, 128) for sk in (2, 4, 8)]
 
 
 def _step_time(run, launches: int = 5) -> float:
@@ -146,6 +149,8 @@ def main() -> None:
     ap.add_argument("--chain", action="store_true", help="only the step chains: every layer's products in one graph, "
                     "cuBLAS against the tile GEMM, each with and without programmatic launch")
     ap.add_argument("--json")
+    ap.add_argument("--save-configs", metavar="PATH", help="with --triton: write each shape's best configuration, "
+                    "its best unsplit one and whether it beat cuBLAS, the file ENC2DEC_TILE_GEMM_CONFIGS reads")
     a = ap.parse_args()
     if a.chain:
         results = chain(a.models.split(","), [int(r) for r in a.rows.split(",")], a.tbps)
@@ -189,7 +194,8 @@ def main() -> None:
                         raise AssertionError(f"tile {config} off by {err} on {n}x{k}")
                     tiles[",".join(map(str, config))] = _time(fn, weights, x)
                 best = min(tiles, key=tiles.get)
-                row["tiles"], row["tile_best"] = tiles, best
+                unsplit = min((c for c in tiles if c.endswith(",1")), key=tiles.get)
+                row["tiles"], row["tile_best"], row["tile_best_unsplit"] = tiles, best, unsplit
                 row["triton"] = times[(n, k, rows, "triton")] = tiles[best]
             results.append(row)
             print(f"N={n:>6} K={k:>5} rows={rows:>4}  bound {row['bound_us']:6.2f} us  " + "  ".join(
@@ -206,6 +212,14 @@ def main() -> None:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)
+    if a.save_configs and a.triton:
+        configs = {f"{r['rows']},{r['n']},{r['k']}": {
+            "config": [int(v) for v in r["tile_best"].split(",")],
+            "unsplit": [int(v) for v in r["tile_best_unsplit"].split(",")],
+            "pays": r["triton"] < r["cublas"]} for r in results}
+        with open(a.save_configs, "w") as f:
+            json.dump(configs, f, indent=1)
+        print(f"configurations of {len(configs)} shapes in {a.save_configs}")
 
 
 if __name__ == "__main__":
