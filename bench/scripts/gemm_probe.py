@@ -198,6 +198,8 @@ def main() -> None:
                 row["tiles"], row["tile_best"], row["tile_best_unsplit"] = tiles, best, unsplit
                 row["triton"] = times[(n, k, rows, "triton")] = tiles[best]
             results.append(row)
+            if a.save_configs and a.triton:        # as it goes: a sweep stopped at its limit keeps what it found
+                save_configs(results, a.save_configs)
             print(f"N={n:>6} K={k:>5} rows={rows:>4}  bound {row['bound_us']:6.2f} us  " + "  ".join(
                 f"{be} {row[be]:6.2f} us ({nbytes / row[be] / 1e6:.2f} TB/s)" for be in shown)
                 + (f"  best tile {row['tile_best']}" if a.triton else ""), flush=True)
@@ -213,13 +215,18 @@ def main() -> None:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)
     if a.save_configs and a.triton:
-        configs = {f"{r['rows']},{r['n']},{r['k']}": {
-            "config": [int(v) for v in r["tile_best"].split(",")],
-            "unsplit": [int(v) for v in r["tile_best_unsplit"].split(",")],
-            "pays": r["triton"] < r["cublas"]} for r in results}
-        with open(a.save_configs, "w") as f:
-            json.dump(configs, f, indent=1)
-        print(f"configurations of {len(configs)} shapes in {a.save_configs}")
+        print(f"configurations of {save_configs(results, a.save_configs)} shapes in {a.save_configs}")
+
+
+def save_configs(results: list[dict], path: str) -> int:
+    """The swept shapes' best tile configurations as ENC2DEC_TILE_GEMM_CONFIGS reads them."""
+    configs = {f"{r['rows']},{r['n']},{r['k']}": {
+        "config": [int(v) for v in r["tile_best"].split(",")],
+        "unsplit": [int(v) for v in r["tile_best_unsplit"].split(",")],
+        "pays": r["triton"] < r["cublas"]} for r in results if "tile_best" in r}
+    with open(path, "w") as f:
+        json.dump(configs, f, indent=1)
+    return len(configs)
 
 
 if __name__ == "__main__":
