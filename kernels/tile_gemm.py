@@ -46,7 +46,7 @@ def _tile_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, nb_ptr, res
     # IEEE: float32 operands multiplied as float32 (tl.dot's default would round them to tf32).
     # Prologue, NORM: 0 none, 1 RMSNorm, 2 LayerNorm of x (+ residual with HAS_RES, the sum
     # rounded to the activation dtype; the programs of the first feature tile write it out).
-    # SPLIT_K > 1 (no prologue): program (n, m, s) sums K's piece [s * K_SPLIT, (s + 1) * K_SPLIT)
+    # SPLIT_K > 1 (no LayerNorm prologue): program (n, m, s) sums K's piece [s * K_SPLIT, (s + 1) * K_SPLIT)
     # into its float32 partial part[s, (up,) M, N]; the last of a tile's SPLIT_K programs to count
     # itself in count[tile] adds the partials in the order of s (the same sum whichever program
     # comes last), applies the epilogue and sets the count back to 0 for the next launch.
@@ -74,24 +74,25 @@ def _tile_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, nb_ptr, res
     w_rows = offs_n[None, :].to(tl.int64) * stride_wn
     mean = tl.zeros((BLOCK_M,), dtype=tl.float32)
     rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if NORM != 0:
-        # Row statistics over K first (a LayerNorm's variance in a second pass, centred as the
-        # norm kernel's), each row's pieces read from L2.
+    ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if NORM == 2:
+        # A LayerNorm's row statistics over K first (its variance in a second pass, centred as the
+        # norm kernel's), each row's pieces read from L2. An RMSNorm needs no pass of its own: its
+        # rstd is one factor a row, applied to the product of the unscaled rows (x * weight) after
+        # the K loop, which sums the squares as it goes (over a split's piece: the last program
+        # adds the pieces' sums).
         s1 = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             h = _norm_input(x_rows, r_rows, k0, K, mask_m, act_dtype, BLOCK_K, HAS_RES, EVEN_K)
-            s1 += tl.sum(h * h if NORM == 1 else h, axis=1)
-        if NORM == 1:
-            rstd = tl.rsqrt(s1 / K + eps)
-        else:
-            mean = s1 / K
-            s2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                h = _norm_input(x_rows, r_rows, k0, K, mask_m, act_dtype, BLOCK_K, HAS_RES, EVEN_K)
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                c = tl.where(((offs_k < K) | EVEN_K)[None, :], h - mean[:, None], 0.0)
-                s2 += tl.sum(c * c, axis=1)
-            rstd = tl.rsqrt(s2 / K + eps)
+            s1 += tl.sum(h, axis=1)
+        mean = s1 / K
+        s2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            h = _norm_input(x_rows, r_rows, k0, K, mask_m, act_dtype, BLOCK_K, HAS_RES, EVEN_K)
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            c = tl.where(((offs_k < K) | EVEN_K)[None, :], h - mean[:, None], 0.0)
+            s2 += tl.sum(c * c, axis=1)
+        rstd = tl.rsqrt(s2 / K + eps)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = (offs_k < K) | EVEN_K
@@ -101,7 +102,12 @@ def _tile_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, nb_ptr, res
             if HAS_RES:
                 tl.store(res_out_ptr + offs_m[:, None].to(tl.int64) * stride_rom + offs_k[None, :],
                          h.to(act_dtype), mask=mk & (pid_n == 0))
-            a = (h - mean[:, None]) * rstd[:, None] * tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)[None, :]
+            g = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)[None, :]
+            if NORM == 1:
+                ss += tl.sum(h * h, axis=1)
+                a = h * g
+            else:
+                a = (h - mean[:, None]) * rstd[:, None] * g
             if NORM_BIAS:
                 a = a + tl.load(nb_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)[None, :]
             a = a.to(act_dtype)
@@ -117,24 +123,37 @@ def _tile_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, nb_ptr, res
     if SPLIT_K > 1:
         tile_part = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
         plane = M.to(tl.int64) * N * (2 if GATED else 1)            # one split's partials
+        # an RMSNorm's sums of squares, one row of M a (split, feature tile) after the planes
+        ss_ptr = part_ptr + SPLIT_K * plane + pid_n * M + offs_m
         tl.store(part_ptr + pid_k * plane + tile_part, acc, mask=mask_out, cache_modifier=".cg")
         if GATED:
             tl.store(part_ptr + pid_k * plane + M * N + tile_part, acc_up, mask=mask_out, cache_modifier=".cg")
+        if NORM == 1:
+            tl.store(ss_ptr + pid_k * tl.num_programs(0) * M, ss, mask=mask_m, cache_modifier=".cg")
         tl.debug_barrier()              # every thread's partial stored before the count (release) says so
         count = count_ptr + pid_m * tl.num_programs(0) + pid_n
         if tl.atomic_add(count, 1, sem="acq_rel") == SPLIT_K - 1:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
             for s in range(SPLIT_K):
                 acc += tl.load(part_ptr + s * plane + tile_part, mask=mask_out, other=0.0, cache_modifier=".cg")
                 if GATED:
                     acc_up += tl.load(part_ptr + s * plane + M * N + tile_part, mask=mask_out, other=0.0,
                                       cache_modifier=".cg")
+                if NORM == 1:
+                    ss += tl.load(ss_ptr + s * tl.num_programs(0) * M, mask=mask_m, other=0.0, cache_modifier=".cg")
+            if NORM == 1:
+                rstd = tl.rsqrt(ss / K + eps)
+                acc, acc_up = acc * rstd[:, None], acc_up * rstd[:, None]
             acc = _epilogue(acc, acc_up, b_ptr, offs_n, mask_n, N, act_dtype, HAS_BIAS, ACT, GATED)
             tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :], acc.to(act_dtype),
                      mask=mask_out)
             tl.atomic_xchg(count, 0, sem="relaxed")
     else:
+        if NORM == 1:
+            rstd = tl.rsqrt(ss / K + eps)
+            acc, acc_up = acc * rstd[:, None], acc_up * rstd[:, None]
         acc = _epilogue(acc, acc_up, b_ptr, offs_n, mask_n, N, act_dtype, HAS_BIAS, ACT, GATED)
         tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :], acc.to(act_dtype),
                  mask=mask_out)
@@ -271,9 +290,9 @@ def tile_linear(x: torch.Tensor | Prologue, weight: torch.Tensor, bias: torch.Te
     out = torch.empty((rows, n), dtype=src.dtype, device=src.device)
     if config is None:
         # a gated product reads both halves: the tiling of its whole weight, each half's tile half as wide
-        # a prologue's row statistics span the whole K, which a split would read once per piece
+        # a LayerNorm's row statistics span the whole K, which a split would read once per piece
         block_m, block_n, block_k, num_warps, num_stages, split = launch_config(
-            rows, weight.shape[0], k, weight.element_size(), split_ok=pro is None)
+            rows, weight.shape[0], k, weight.element_size(), split_ok=pro is None or pro.norm == "rms")
         block_n = max(16, block_n // 2) if gated else block_n
         # a normalised input tile is made in registers and staged for the dot: two stages leave room
         num_stages = 2 if pro is not None else num_stages
@@ -291,7 +310,9 @@ def tile_linear(x: torch.Tensor | Prologue, weight: torch.Tensor, bias: torch.Te
             grid, split, k_split = grid[:2] + (1,), 1, k
             counts = weight
         else:
-            part = torch.empty((split, 2 if gated else 1, rows, n), dtype=torch.float32, device=src.device)
+            planes = split * (2 if gated else 1) * rows * n
+            part = torch.empty(planes + (split * grid[0] * rows if inputs.norm == 1 else 0), dtype=torch.float32,
+                               device=src.device)
     _tile_gemm_kernel[grid](x2, weight, bias if bias is not None else weight, out, inputs.res, inputs.nw, inputs.nb,
                             inputs.res_out, part, counts, rows, n, k, k_split, x2.stride(0), weight.stride(0),
                             out.stride(0), inputs.res.stride(0), inputs.res_out.stride(0), inputs.eps,

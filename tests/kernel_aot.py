@@ -155,6 +155,8 @@ def _cases():
                  lambda: tile(rand(64, ff), rand(d, ff), config=(64, 64, 128, 4, 3, 4))),
                 ("tile_gemm gate|up + gelu_tanh split over K in 2, 64 rows", tile_gemm,
                  lambda: tile(rand(64, d), rand(2 * ff, d), act="gelu_tanh", gated=True, config=(64, 64, 128, 4, 3, 2))),
+                ("tile_gemm q|k|v + RMSNorm + residual split over K in 2, 64 rows", tile_gemm,
+                 lambda: tile(rms, rand(3 * d, d), config=(64, 64, 128, 4, 2, 2))),
                 ("tile_gemm float32, 24 rows", tile_gemm,
                  lambda: tile(rand(24, 512, dtype=torch.float32), rand(512, 512, dtype=torch.float32)))]
 

@@ -487,7 +487,7 @@ def test_tile_linear_fuses_the_norm_before_it_and_the_activation_after_it(name, 
 
 @pytest.mark.parametrize("name,rows,n,k,split", [("plain", 17, 40, 128, 2), ("gelu", 64, 48, 256, 4),
                                                   ("gated gelu_tanh", 5, 20, 96, 3), ("plain", 70, 24, 200, 3),
-                                                  ("rms+residual, gated gelu_tanh", 9, 24, 160, 2)])
+                                                  ("rms+residual, gated gelu_tanh", 9, 24, 160, 2), ("rms", 40, 32, 192, 3)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tile_linear_split_over_k_gives_the_unsplit_product(name, rows, n, k, split, dtype):
     """K in pieces (SPLIT_K programs a tile, the last to finish adds their float32 partials in
