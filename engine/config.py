@@ -147,6 +147,7 @@ TUNING_ENV = {
     "attn_store_in_kernel": "ENC2DEC_ATTN_STORE_IN_KERNEL",
     "programmatic_launch": "ENC2DEC_PROGRAMMATIC_LAUNCH",
     "tile_gemm": "ENC2DEC_TILE_GEMM",
+    "tile_gemm_configs": "ENC2DEC_TILE_GEMM_CONFIGS",
     "tp_timeout_s": "ENC2DEC_TP_TIMEOUT_S",
     "encoder_tokens_while_decoding": "ENC2DEC_ENCODER_TOKENS_WHILE_DECODING",
     "encoder_join_steps": "ENC2DEC_ENCODER_JOIN_STEPS",
@@ -183,6 +184,10 @@ class TuningConfig:
     # Only with programmatic launch: launched early, each product pulls its weights into L2 while
     # the kernel before it runs, which cuBLAS cannot; without it the kernel is slower than cuBLAS.
     tile_gemm: bool = False
+    # A JSON file of the tile GEMM's configurations measured on this kind of GPU (each shape's
+    # tiling, split of K, and whether it beat cuBLAS: ``bench/scripts/gemm_probe.py --triton
+    # --save-configs``); "" keeps ``kernels/tile_gemm.launch_config``'s rule, which never splits K.
+    tile_gemm_configs: str = ""
     tp_timeout_s: float = 600.0           # longest wait of a tensor-parallel collective or worker start-up
     # Encoder positions admitted in a step that also decodes running sequences. 0 (auto): one
     # clip for Whisper, so admitting requests costs the running ones at most one encoder pass of
@@ -227,6 +232,8 @@ class TuningConfig:
                      "attn_store_in_kernel", "programmatic_launch", "tile_gemm"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{o}.{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.tile_gemm_configs, str):
+            raise ValueError(f"{o}.tile_gemm_configs must be a file path or \"\", got {self.tile_gemm_configs!r}")
         _check_positive_int(o, "attn_min_keys_per_split", self.attn_min_keys_per_split)
         _check_positive_int(o, "encoder_tokens_while_decoding", self.encoder_tokens_while_decoding, allow_zero=True)
         _check_positive_int(o, "encoder_join_steps", self.encoder_join_steps, allow_zero=True)
@@ -247,6 +254,8 @@ class TuningConfig:
                     if raw not in ("0", "1"):
                         raise ValueError
                     changes[name] = raw == "1"
+                elif kind is str:
+                    changes[name] = raw
                 else:
                     changes[name] = kind(raw)
             except ValueError:

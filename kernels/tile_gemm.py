@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 
 import torch
 
@@ -210,20 +209,38 @@ def _rows_bucket(rows: int) -> int:
     return 64 if rows <= 64 else 128 if rows <= 128 else 256
 
 
-@functools.cache
+# The measured configurations file in effect (``tuning.tile_gemm_configs``; process-wide, as the
+# tile GEMM's switch is).
+_CONFIGS_FILE = {"path": ""}
+
+
+def set_configs_file(path: str) -> None:
+    """Take the tile configurations measured on this kind of GPU from the JSON file at ``path``
+    ("" for none); read now, so a missing or malformed file fails the engine's start."""
+    _CONFIGS_FILE["path"] = path
+    measured_configs()
+
+
 def measured_configs() -> dict[tuple[int, int, int], dict]:
-    """Configurations measured on this kind of GPU, from the JSON file ``ENC2DEC_TILE_GEMM_CONFIGS``
-    names (``bench/scripts/gemm_probe.py --triton --save-configs``, as vLLM ships its tuned Triton
-    MoE configurations): ``{"rows,n,k": {"config": [BLOCK_M, BLOCK_N, BLOCK_K, warps, stages,
-    SPLIT_K], "unsplit": [the best with SPLIT_K 1], "pays": bool}}`` with rows 64, 128 or 256
-    (the largest row count it holds); "pays": whether it beat cuBLAS there. Empty without the
-    variable. Read once a process."""
-    path = os.environ.get("ENC2DEC_TILE_GEMM_CONFIGS")
+    """The configurations file's shapes (``set_configs_file``; ``bench/scripts/gemm_probe.py
+    --triton --save-configs`` writes it, as vLLM ships tuned Triton MoE configurations per GPU):
+    ``{"rows,n,k": {"config": [BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SPLIT_K], "unsplit":
+    [the best with SPLIT_K 1], "pays": bool}}`` with rows 64, 128 or 256 (the largest row count
+    it holds); "pays": whether it beat cuBLAS there. Empty without a file."""
+    return _read_configs(_CONFIGS_FILE["path"])
+
+
+@functools.cache
+def _read_configs(path: str) -> dict[tuple[int, int, int], dict]:
     if not path:
         return {}
-    with open(path) as f:
-        raw = json.load(f)
-    return {tuple(int(v) for v in key.split(",")): value for key, value in raw.items()}
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+        return {tuple(int(v) for v in key.split(",")): dict(value, config=list(value["config"]))
+                for key, value in raw.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"tuning.tile_gemm_configs: cannot read tile configurations from {path!r}: {e}") from e
 
 
 def tile_pays(rows: int, n: int, k: int, fused_act: bool) -> bool:

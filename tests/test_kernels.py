@@ -648,10 +648,10 @@ def test_package_imports_without_triton():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_tile_gemm_takes_the_measured_configurations_file(tmp_path, monkeypatch):
-    """ENC2DEC_TILE_GEMM_CONFIGS (gemm_probe.py --save-configs): a shape it holds takes its
-    measured tiling (the unsplit one under a norm prologue) and its measured verdict against
-    cuBLAS; other shapes keep the built-in rule."""
+def test_tile_gemm_takes_the_measured_configurations_file(tmp_path):
+    """tuning.tile_gemm_configs (gemm_probe.py --save-configs): a shape it holds takes its
+    measured tiling (the unsplit one under a LayerNorm prologue) and its measured verdict
+    against cuBLAS; other shapes keep the built-in rule; a file it cannot read is an error."""
     import json
 
     from enc2dec.kernels import tile_gemm
@@ -660,8 +660,7 @@ def test_tile_gemm_takes_the_measured_configurations_file(tmp_path, monkeypatch)
     path.write_text(json.dumps({"64,1024,2816": {"config": [64, 64, 128, 4, 3, 4], "unsplit": [64, 16, 256, 4, 4, 1],
                                                  "pays": True},
                                 "64,5120,1280": {"config": [64, 64, 128, 4, 3, 1], "pays": False}}))
-    monkeypatch.setenv("ENC2DEC_TILE_GEMM_CONFIGS", str(path))
-    tile_gemm.measured_configs.cache_clear()
+    tile_gemm.set_configs_file(str(path))
     try:
         assert tile_gemm.launch_config(48, 1024, 2816) == (64, 64, 128, 4, 3, 4)
         assert tile_gemm.launch_config(8, 1024, 2816, split_ok=False) == (16, 16, 256, 4, 4, 1)
@@ -669,5 +668,11 @@ def test_tile_gemm_takes_the_measured_configurations_file(tmp_path, monkeypatch)
         assert tile_gemm.tile_pays(64, 1024, 2816, False)
         assert not tile_gemm.tile_pays(64, 5120, 1280, False) and tile_gemm.tile_pays(64, 5120, 1280, True)
         assert not tile_gemm.tile_pays(128, 1024, 2816, False)            # no 128-row entry: the rule's cuBLAS
+        (tmp_path / "bad.json").write_text('{"64,1024": {"pays": true}}')
+        with pytest.raises(ValueError, match="tile_gemm_configs: cannot read tile configurations"):
+            tile_gemm.set_configs_file(str(tmp_path / "bad.json"))
+        with pytest.raises(ValueError, match="tile_gemm_configs"):
+            tile_gemm.set_configs_file(str(tmp_path / "missing.json"))
     finally:
-        tile_gemm.measured_configs.cache_clear()
+        tile_gemm.set_configs_file("")
+    assert tile_gemm.launch_config(48, 1024, 2816)[5] == 1

@@ -32,7 +32,7 @@ from enc2dec.engine.models.layers import (DenseMLP, GatedMLP, LayerNorm, MergedL
 from enc2dec.engine.models.t5 import T5Layer
 from enc2dec.kernels import can_use_triton
 from enc2dec.kernels.skinny_gemm import Prologue, skinny_linear      # triton itself loads at the first launch
-from enc2dec.kernels.tile_gemm import tile_linear, tile_linear_supported, tile_pays
+from enc2dec.kernels.tile_gemm import set_configs_file, tile_linear, tile_linear_supported, tile_pays
 
 logger = logging.getLogger("enc2dec")
 
@@ -63,8 +63,10 @@ _GEMV_ACTS = {F.relu: "relu", F.gelu: "gelu", gelu_tanh: "gelu_tanh"}
 _TILE = {"on": False}
 
 
-def set_tile_gemm(on: bool) -> None:
+def set_tile_gemm(on: bool, configs_file: str = "") -> None:
+    """Process-wide: the tile GEMM on or off, and its measured configurations (``tuning.tile_gemm_configs``)."""
     _TILE["on"] = bool(on)
+    set_configs_file(configs_file)
 
 
 def _one_row(x: torch.Tensor | Prologue) -> bool:

@@ -182,7 +182,7 @@ class ModelRunner:
             use_triton_norms(self.model)
         skinny = tuning.skinny_gemm and skinny_linear_enabled(device, self.backend.name)
         # without programmatic launch the tile GEMM is slower than cuBLAS (docs/benchmarks.md, session 37)
-        set_tile_gemm(skinny and tuning.tile_gemm and programmatic_launch_on(device))
+        set_tile_gemm(skinny and tuning.tile_gemm and programmatic_launch_on(device), tuning.tile_gemm_configs)
         if skinny:
             use_skinny_linear(self.model, fuse=tuning.fused_gemv)
         # One kernel path per linear: the skinny GEMV's classes (CUDA, or the interpreter when
