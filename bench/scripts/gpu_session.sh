@@ -25,6 +25,7 @@
 #   bash bench/scripts/gpu_session.sh apiside          # serve_overhead.py (CPU side of serve, idle cores)
 #   bash bench/scripts/gpu_session.sh serveprof        # carry .whl .prof: py-spy over serve + 4 bench clients
 #   bash bench/scripts/gpu_session.sh seeded           # flan-t5-large seeded x3, Triton compiles per run
+#   bash bench/scripts/gpu_session.sh tile             # the tile GEMM: tests, configuration sweep, A/B (~9 min)
 #
 # Why the parts: a call carries at most 64 MiB and whisper-base in bf16 is 147 MB, so it is
 # staged in /tmp over three calls made back to back (a machine that went idle comes back bare:
@@ -168,6 +169,26 @@ for t, h, n in ks:
 PY
     done 2>&1 | tee "$OUT/seeded.txt" | grep "^seeded"
     tar -czf "$OUT/seeded.tgz" -C "$OUT" $(cd "$OUT" && ls seeded-*) && (cd "$OUT" && rm -f seeded-*) ;;
+  tile)        # the tile GEMM (tuning.tile_gemm) in one ~9-minute call: its GPU tests (split K too),
+               # the engine's GPU tests with it on, the 64-row configuration sweep of flan-t5-large's and
+               # whisper-large-v3's products saved as a tile_gemm_configs file ($OUT/tilecfg.json), then
+               # flan-t5-large and whisper-large-v3 C=64: the defaults (base), the tile GEMM's built-in
+               # rule (tile), the sweep's configurations (cfg). TILE_SWEEP_END / TILE_TOTAL: seconds into
+               # the step at which the sweep stops / the benches stop (default 300 / 570).
+    setup
+    t0=$SECONDS
+    timeout 80 python -m pytest -q -m gpu tests/test_kernels_gpu.py -k "tile or programmatic" 2>&1 | tail -2
+    timeout 60 python -m pytest -q tests/test_kernels.py -k "split or tile_linear or measured" 2>&1 | tail -2
+    ENC2DEC_TILE_GEMM=1 timeout 120 python -m pytest -q -x -m gpu tests/test_gpu_engine.py 2>&1 | tail -2
+    echo "python bench/scripts/gemm_probe.py --rows 64 --models flan-t5-large,whisper-large-v3 --triton --pdl --save-configs tilecfg.json" >>"$OUT/commands.txt"
+    (cd bench/scripts && timeout $((${TILE_SWEEP_END:-300} - (SECONDS - t0))) python gemm_probe.py --rows 64 \
+        --models flan-t5-large,whisper-large-v3 --triton --pdl --save-configs /tmp/tilecfg.json \
+        --json "$OUT/gemm_probe.json" 2>&1 | grep -v Warning | tail -14)
+    cp /tmp/tilecfg.json "$OUT/" 2>/dev/null
+    OUT=$OUT/tile WORK=/tmp/rw-tile TOTAL_S=$((${TILE_TOTAL:-570} - (SECONDS - t0))) NUM_REQUESTS=192 \
+      NUM_REQUESTS_WHISPER=128 AB="base: tile:ENC2DEC_TILE_GEMM=1 cfg:ENC2DEC_TILE_GEMM=1,ENC2DEC_TILE_GEMM_CONFIGS=/tmp/tilecfg.json" \
+      bash bench/scripts/real_workloads.sh t5-ab wh-ab
+    python bench/scripts/summarize.py /tmp/rw-tile 2>&1 | tail -8 ;;
   *) echo "unknown step $1"; exit 2 ;;
   esac
   shift
