@@ -142,20 +142,24 @@ def _tile_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, nb_ptr, res
                                       cache_modifier=".cg")
                 if NORM == 1:
                     ss += tl.load(ss_ptr + s * tl.num_programs(0) * M, mask=mask_m, other=0.0, cache_modifier=".cg")
-            if NORM == 1:
-                rstd = tl.rsqrt(ss / K + eps)
-                acc, acc_up = acc * rstd[:, None], acc_up * rstd[:, None]
-            acc = _epilogue(acc, acc_up, b_ptr, offs_n, mask_n, N, act_dtype, HAS_BIAS, ACT, GATED)
-            tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :], acc.to(act_dtype),
-                     mask=mask_out)
+            _finish_tile(acc, acc_up, ss, K, eps, b_ptr, out_ptr, offs_m, offs_n, mask_n, mask_out, stride_om, N,
+                         act_dtype, NORM, HAS_BIAS, ACT, GATED)
             tl.atomic_xchg(count, 0, sem="relaxed")
     else:
-        if NORM == 1:
-            rstd = tl.rsqrt(ss / K + eps)
-            acc, acc_up = acc * rstd[:, None], acc_up * rstd[:, None]
-        acc = _epilogue(acc, acc_up, b_ptr, offs_n, mask_n, N, act_dtype, HAS_BIAS, ACT, GATED)
-        tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :], acc.to(act_dtype),
-                 mask=mask_out)
+        _finish_tile(acc, acc_up, ss, K, eps, b_ptr, out_ptr, offs_m, offs_n, mask_n, mask_out, stride_om, N,
+                     act_dtype, NORM, HAS_BIAS, ACT, GATED)
+
+
+@lazy_jit.helper
+def _finish_tile(acc, acc_up, ss, K, eps, b_ptr, out_ptr, offs_m, offs_n, mask_n, mask_out, stride_om, N, act_dtype,
+                 NORM: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr):
+    # a whole K's accumulators: an RMSNorm prologue's rstd (from the rows' sums of squares), the
+    # bias and activation epilogue, the store
+    if NORM == 1:
+        rstd = tl.rsqrt(ss / K + eps)
+        acc, acc_up = acc * rstd[:, None], acc_up * rstd[:, None]
+    acc = _epilogue(acc, acc_up, b_ptr, offs_n, mask_n, N, act_dtype, HAS_BIAS, ACT, GATED)
+    tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :], acc.to(act_dtype), mask=mask_out)
 
 
 @lazy_jit.helper
