@@ -75,23 +75,26 @@ def _tile_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, nb_ptr, res
     rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
     ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if NORM == 2:
-        # A LayerNorm's row statistics over K first (its variance in a second pass, centred as the
-        # norm kernel's), each row's pieces read from L2. An RMSNorm needs no pass of its own: its
-        # rstd is one factor a row, applied to the product of the unscaled rows (x * weight) after
-        # the K loop, which sums the squares as it goes (over a split's piece: the last program
-        # adds the pieces' sums).
-        s1 = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            h = _norm_input(x_rows, r_rows, k0, K, mask_m, act_dtype, BLOCK_K, HAS_RES, EVEN_K)
-            s1 += tl.sum(h, axis=1)
-        mean = s1 / K
-        s2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        # A LayerNorm's row statistics in one pass over K before the K loop, each row's pieces
+        # read from L2: every piece's mean and centred sum of squares, merged into the row's as
+        # they come (Chan et al.'s parallel update: centred throughout, as the norm kernel's two
+        # passes are, without reading the rows a second time). An RMSNorm needs no pass of its
+        # own: its rstd is one factor a row, applied to the product of the unscaled rows
+        # (x * weight) after the K loop, which sums the squares as it goes (over a split's piece:
+        # the last program adds the pieces' sums).
+        m2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             h = _norm_input(x_rows, r_rows, k0, K, mask_m, act_dtype, BLOCK_K, HAS_RES, EVEN_K)
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            c = tl.where(((offs_k < K) | EVEN_K)[None, :], h - mean[:, None], 0.0)
-            s2 += tl.sum(c * c, axis=1)
-        rstd = tl.rsqrt(s2 / K + eps)
+            valid = ((offs_k < K) | EVEN_K)[None, :]
+            n_piece = tl.minimum(K - k0, BLOCK_K).to(tl.float32)
+            mean_piece = tl.sum(h, axis=1) / n_piece
+            c = tl.where(valid, h - mean_piece[:, None], 0.0)
+            seen = k0 * 1.0                 # positions merged so far
+            delta = mean_piece - mean
+            mean += delta * (n_piece / (seen + n_piece))
+            m2 += tl.sum(c * c, axis=1) + delta * delta * (seen * n_piece / (seen + n_piece))
+        rstd = tl.rsqrt(m2 / K + eps)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = (offs_k < K) | EVEN_K

@@ -477,7 +477,8 @@ def test_skinny_linear_fuses_the_norm_before_it_and_the_activation_after_it(name
 
 
 @pytest.mark.parametrize("name", list(_FUSIONS))
-@pytest.mark.parametrize("rows,n,k", [(5, 40, 128), (70, 24, 100)])       # 70 rows: two row tiles; K 100: masked
+@pytest.mark.parametrize("rows,n,k", [(5, 40, 128), (70, 24, 100), (9, 24, 1300)])    # 70 rows: two row tiles;
+# K 100: a masked piece; K 1300: a LayerNorm's statistics merged over 21 pieces
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tile_linear_fuses_the_norm_before_it_and_the_activation_after_it(name, rows, n, k, dtype):
     from enc2dec.kernels.tile_gemm import tile_linear
