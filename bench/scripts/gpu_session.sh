@@ -174,7 +174,7 @@ PY
                # whisper-large-v3's products saved as a tile_gemm_configs file ($OUT/tilecfg.json), then
                # flan-t5-large and whisper-large-v3 C=64: the defaults (base), the tile GEMM's built-in
                # rule (tile), the sweep's configurations (cfg). TILE_SWEEP_END / TILE_TOTAL: seconds into
-               # the step at which the sweep stops / the benches stop (default 300 / 570).
+               # the step at which the sweep stops / the benches stop (default 300 / 545).
     setup
     t0=$SECONDS
     timeout 80 python -m pytest -q -m gpu tests/test_kernels_gpu.py -k "tile or programmatic" 2>&1 | tail -2
@@ -185,7 +185,7 @@ PY
         --models flan-t5-large,whisper-large-v3 --triton --pdl --save-configs /tmp/tilecfg.json \
         --json "$OUT/gemm_probe.json" 2>&1 | grep -v Warning | tail -14)
     cp /tmp/tilecfg.json "$OUT/" 2>/dev/null
-    OUT=$OUT/tile WORK=/tmp/rw-tile TOTAL_S=$((${TILE_TOTAL:-570} - (SECONDS - t0))) NUM_REQUESTS=192 \
+    OUT=$OUT/tile WORK=/tmp/rw-tile TOTAL_S=$((${TILE_TOTAL:-545} - (SECONDS - t0))) NUM_REQUESTS=192 \
       NUM_REQUESTS_WHISPER=128 AB="base: tile:ENC2DEC_TILE_GEMM=1 cfg:ENC2DEC_TILE_GEMM=1,ENC2DEC_TILE_GEMM_CONFIGS=/tmp/tilecfg.json" \
       bash bench/scripts/real_workloads.sh t5-ab wh-ab
     python bench/scripts/summarize.py /tmp/rw-tile 2>&1 | tail -8 ;;
