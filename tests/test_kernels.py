@@ -490,7 +490,7 @@ def test_tile_linear_fuses_the_norm_before_it_and_the_activation_after_it(name, 
                                                   ("gated gelu_tanh", 5, 20, 96, 3), ("plain", 70, 24, 200, 3),
                                                   ("rms+residual, gated gelu_tanh", 9, 24, 160, 2), ("rms", 40, 32, 192, 3)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tile_linear_split_over_k_gives_the_unsplit_product(name, rows, n, k, split, dtype):
+def test_tile_linear_split_over_k_gives_the_unsplit_product(name, rows, n, k, split, dtype, monkeypatch):
     """K in pieces (SPLIT_K programs a tile, the last to finish adds their float32 partials in
     order): the product, activation and residual of the unsplit kernel, the same bits on every
     launch whichever program finishes last, and the tiles' counters back at zero for the next."""
@@ -499,11 +499,21 @@ def test_tile_linear_split_over_k_gives_the_unsplit_product(name, rows, n, k, sp
     g = torch.Generator().manual_seed(rows * 11 + k)
     make, w, b, act = _fused_case(name, rows, n, k, dtype, g)
     config = (32, 16, 32, 4, 2)
-    whole, first, again = make(), make(), make()
+    whole, first, again, reversed_ = make(), make(), make(), make()
     expected = tile_gemm.tile_linear(whole, w, b, **act, config=config + (1,))
     got = tile_gemm.tile_linear(first, w, b, **act, config=config + (split,))
     assert_close(got, expected, dtype)
     assert torch.equal(tile_gemm.tile_linear(again, w, b, **act, config=config + (split,)), got)
+    if DEVICE == "cpu":
+        # the interpreter runs programs in grid order, so the last piece's program adds the
+        # partials; run the pieces last to first, so the first piece's program does
+        from triton.runtime import interpreter
+
+        builder, dims = interpreter.interpreter_builder, {}
+        set_dim, set_idx = builder.set_grid_dim, builder.set_grid_idx
+        monkeypatch.setattr(builder, "set_grid_dim", lambda *d: (dims.update(d=d), set_dim(*d))[1])
+        monkeypatch.setattr(builder, "set_grid_idx", lambda x, y, z: set_idx(x, y, dims["d"][2] - 1 - z))
+        assert torch.equal(tile_gemm.tile_linear(reversed_, w, b, **act, config=config + (split,)), got)
     if isinstance(first, Prologue) and first.residual is not None:
         assert torch.equal(first.res_out, whole.res_out)
     pool = tile_gemm._COUNTS[w.device]
