@@ -1,7 +1,7 @@
 """How far a decode step's multi-row products are from the weight read, per BLAS backend.
 
     python bench/scripts/gemm_probe.py [--rows 64,128,256] [--triton [--pdl]] [--json out.json]
-    python bench/scripts/gemm_probe.py --chain [--rows 64] [--models flan-t5-large]
+    python bench/scripts/gemm_probe.py --chain [--rows 64] [--models flan-t5-large] [--configs tilecfg.json]
 
 Issue 19's steps at C=64-256 are ~45% cuBLAS products (profile_step.py), each far below the
 bandwidth its weight read would allow. For every decoder projection of flan-t5-large,
@@ -83,12 +83,12 @@ def _step_time(run, launches: int = 5) -> float:
     return start.elapsed_time(end) * 1000 / launches
 
 
-def chain(models, row_counts, tbps) -> list[dict]:
+def chain(models, row_counts, tbps, configs: str = "") -> list[dict]:
     """A decode step's products (every layer, then the head) in one graph, per variant: cuBLAS with
     the activation as its own (Triton) kernel, as the engine runs today; the Triton tile GEMM
     with the activation fused; each with and without programmatic launch."""
     from enc2dec.kernels import gated_gelu, gelu, set_programmatic_launch
-    from enc2dec.kernels.tile_gemm import tile_linear
+    from enc2dec.kernels.tile_gemm import set_configs_file, tile_linear
 
     def cublas(x, w, b, act, gated):
         y = F.linear(x, w, b)
@@ -100,7 +100,16 @@ def chain(models, row_counts, tbps) -> list[dict]:
     def tile(x, w, b, act, gated):
         return tile_linear(x, w, b, act=act, gated=gated)
 
+    def tile_measured(x, w, b, act, gated):
+        set_configs_file(configs)
+        try:
+            return tile_linear(x, w, b, act=act, gated=gated)
+        finally:
+            set_configs_file("")
+
     variants = {"cublas": (cublas, False), "cublas+pdl": (cublas, True), "tile": (tile, False), "tile+pdl": (tile, True)}
+    if configs:        # the engine's tile GEMM with a --save-configs file (split K where it chose it)
+        variants["tile+pdl+cfg"] = (tile_measured, True)
     results = []
     for model in models:
         layers, vocab, products = LAYER_CHAINS[model]
@@ -149,11 +158,13 @@ def main() -> None:
     ap.add_argument("--chain", action="store_true", help="only the step chains: every layer's products in one graph, "
                     "cuBLAS against the tile GEMM, each with and without programmatic launch")
     ap.add_argument("--json")
+    ap.add_argument("--configs", metavar="PATH", help="with --chain: also the tile GEMM with this --save-configs "
+                    "file's configurations (tile+pdl+cfg)")
     ap.add_argument("--save-configs", metavar="PATH", help="with --triton: write each shape's best configuration, "
                     "its best unsplit one and whether it beat cuBLAS, the file ENC2DEC_TILE_GEMM_CONFIGS reads")
     a = ap.parse_args()
     if a.chain:
-        results = chain(a.models.split(","), [int(r) for r in a.rows.split(",")], a.tbps)
+        results = chain(a.models.split(","), [int(r) for r in a.rows.split(",")], a.tbps, a.configs or "")
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(results, f, indent=1)

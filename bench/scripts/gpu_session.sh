@@ -171,7 +171,8 @@ PY
     tar -czf "$OUT/seeded.tgz" -C "$OUT" $(cd "$OUT" && ls seeded-*) && (cd "$OUT" && rm -f seeded-*) ;;
   tile)        # the tile GEMM (tuning.tile_gemm) in one ~9-minute call: its GPU tests (split K too),
                # the engine's GPU tests with it on, the 64-row configuration sweep of flan-t5-large's and
-               # whisper-large-v3's products saved as a tile_gemm_configs file ($OUT/tilecfg.json), then
+               # whisper-large-v3's products saved as a tile_gemm_configs file ($OUT/tilecfg.json), a step's
+               # products as one chain with them (gemm_probe.py --chain --configs), then
                # flan-t5-large and whisper-large-v3 C=64: the defaults (base), the tile GEMM's built-in
                # rule (tile), the sweep's configurations (cfg). TILE_SWEEP_END / TILE_TOTAL: seconds into
                # the step at which the sweep stops / the benches stop (default 300 / 545).
@@ -185,6 +186,8 @@ PY
         --models flan-t5-large,whisper-large-v3 --triton --pdl --save-configs /tmp/tilecfg.json \
         --json "$OUT/gemm_probe.json" 2>&1 | grep -v Warning | tail -14)
     cp /tmp/tilecfg.json "$OUT/" 2>/dev/null
+    (cd bench/scripts && timeout 50 python gemm_probe.py --chain --rows 64 --models flan-t5-large,whisper-large-v3 \
+        --configs /tmp/tilecfg.json 2>&1 | grep -v Warning | tail -3)
     OUT=$OUT/tile WORK=/tmp/rw-tile TOTAL_S=$((${TILE_TOTAL:-545} - (SECONDS - t0))) NUM_REQUESTS=192 \
       NUM_REQUESTS_WHISPER=128 AB="base: tile:ENC2DEC_TILE_GEMM=1 cfg:ENC2DEC_TILE_GEMM=1,ENC2DEC_TILE_GEMM_CONFIGS=/tmp/tilecfg.json" \
       bash bench/scripts/real_workloads.sh t5-ab wh-ab
