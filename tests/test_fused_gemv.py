@@ -49,11 +49,14 @@ def test_fused_norms_and_activations_decode_the_same_tokens(family, request, mon
     assert set(kinds) == expected | {"kv store"}
 
 
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("family", ["flan_t5", "whisper"])
-def test_tile_gemm_decodes_a_batch_to_the_same_tokens(family, request, monkeypatch):
+def test_tile_gemm_decodes_a_batch_to_the_same_tokens(family, split, request, monkeypatch):
     """With ``tuning.tile_gemm``, a batched decode step's products (with its pre-norms and its MLP
     activation) run in the tile GEMM kernel: three requests decoded together give the tokens
-    they give without it."""
+    they give without it; also with K split in two wherever a configurations file may split it
+    (every product but a LayerNorm prologue's), the engine's counters and partials in play."""
+    from enc2dec.kernels import tile_gemm
     path = request.getfixturevalue(family)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     prompts = [_request(family)] * 3 if family == "whisper" else \
@@ -73,7 +76,22 @@ def test_tile_gemm_decodes_a_batch_to_the_same_tokens(family, request, monkeypat
             return kernel(x, *args, **kwargs)
 
         monkeypatch.setattr(fast_linear, "tile_linear", spy)
+        splits = []
+        if split:
+            rule = tile_gemm.launch_config
+
+            def split_in_two(*args, split_ok=True, **kwargs):
+                # K steps of 16, so the test models' small K makes two pieces
+                config = rule(*args, split_ok=split_ok, **kwargs)
+                return config[:2] + (16,) + config[3:5] + (2 if split_ok else 1,)
+
+            launch = tile_gemm._tile_gemm_kernel
+            monkeypatch.setattr(tile_gemm, "launch_config", split_in_two)
+            monkeypatch.setattr(tile_gemm, "_tile_gemm_kernel", type("Spy", (), {
+                "__getitem__": lambda self, grid: (splits.append(grid[2]), launch[grid])[1]})())
         tiled = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert tiled == plain
+    if split:       # split where it may: T5's RMSNorm prologues too, not Whisper's LayerNorm ones
+        assert 2 in splits and (1 in splits) == (family == "whisper")
     # plain products, the MLP's activation and the pre-norms all ran in the tile kernel
     assert {None, *{"flan_t5": ("gelu_tanh", "rms"), "whisper": ("gelu", "layer")}[family]} <= set(acts)
