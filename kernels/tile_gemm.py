@@ -181,7 +181,7 @@ def _norm_input(x_rows, r_rows, k0, K, mask_m, act_dtype, BLOCK_K: tl.constexpr,
 def launch_config(rows: int, n: int, k: int, itemsize: int = 2,
                   split_ok: bool = True) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) for an ``[rows, k] x [n, k]^T``
-    product of ``itemsize``-byte elements: the measured file's (``measured_configs``) where it
+    product of ``itemsize``-byte elements: the measured file's (``set_configs_file``) where it
     has the shape (its best unsplit one unless ``split_ok``), else the rule below (no split).
 
     From session 37's sweep on an H100 (``gemm_probe.py --triton --pdl``, 64 rows, flan-t5-large's
@@ -192,10 +192,10 @@ def launch_config(rows: int, n: int, k: int, itemsize: int = 2,
     to 64 (``tl.dot`` needs 16). Float32 takes half the K step and three stages, within shared
     memory; a K that no step divides (small test models) takes 16-64 with its tail masked."""
     block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
-    measured = measured_configs().get((_rows_bucket(rows), n, k))
+    measured = _measured(rows, n, k)
     if measured is not None and itemsize == 2:
-        config = tuple(measured["config"] if split_ok else measured.get("unsplit", measured["config"]))
-        return (min(config[0], block_m),) + config[1:5] + ((config[5] if split_ok else 1),)
+        config = measured["config" if split_ok else "unsplit"]
+        return (min(config[0], block_m),) + config[1:]
     if n >= 4096:
         block_n, block_k = 64, 128
     elif k > 2048:
@@ -223,18 +223,19 @@ _CONFIGS_FILE = {"path": ""}
 
 def set_configs_file(path: str) -> None:
     """Take the tile configurations measured on this kind of GPU from the JSON file at ``path``
-    ("" for none); read now, so a missing or malformed file fails the engine's start."""
+    ("" for none; ``bench/scripts/gemm_probe.py --triton --save-configs`` writes it, as vLLM
+    ships tuned Triton MoE configurations per GPU): ``{"rows,n,k": {"config": [BLOCK_M, BLOCK_N,
+    BLOCK_K, warps, stages, SPLIT_K], "unsplit": [the best with SPLIT_K 1], "pays": bool}}`` with
+    rows 64, 128 or 256 (the largest row count it holds); "pays": whether it beat cuBLAS there;
+    without "unsplit", "config" unsplit. Read and checked now, so a missing or malformed file
+    fails the engine's start, not its first product."""
+    _read_configs(path)
     _CONFIGS_FILE["path"] = path
-    measured_configs()
 
 
-def measured_configs() -> dict[tuple[int, int, int], dict]:
-    """The configurations file's shapes (``set_configs_file``; ``bench/scripts/gemm_probe.py
-    --triton --save-configs`` writes it, as vLLM ships tuned Triton MoE configurations per GPU):
-    ``{"rows,n,k": {"config": [BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SPLIT_K], "unsplit":
-    [the best with SPLIT_K 1], "pays": bool}}`` with rows 64, 128 or 256 (the largest row count
-    it holds); "pays": whether it beat cuBLAS there. Empty without a file."""
-    return _read_configs(_CONFIGS_FILE["path"])
+def _measured(rows: int, n: int, k: int) -> dict | None:
+    """The configurations file's entry for this product (its rows' bucket), or None."""
+    return _read_configs(_CONFIGS_FILE["path"]).get((_rows_bucket(rows), n, k))
 
 
 @functools.cache
@@ -244,8 +245,17 @@ def _read_configs(path: str) -> dict[tuple[int, int, int], dict]:
     try:
         with open(path) as f:
             raw = json.load(f)
-        return {tuple(int(v) for v in key.split(",")): dict(value, config=list(value["config"]))
-                for key, value in raw.items()}
+        configs = {}
+        for key, value in raw.items():
+            shape = tuple(int(v) for v in key.split(","))
+            config = tuple(int(v) for v in value["config"])
+            unsplit = tuple(int(v) for v in value.get("unsplit", config[:5] + (1,)))
+            if len(shape) != 3 or len(config) != 6 or len(unsplit) != 6 or unsplit[5] != 1 or \
+                    not isinstance(value["pays"], bool):
+                raise ValueError(f"entry {key!r}: want \"rows,n,k\" with a 6-element config, a 6-element "
+                                 f"unsplit one with SPLIT_K 1 and a true/false pays, got {value!r}")
+            configs[shape] = {"config": config, "unsplit": unsplit, "pays": value["pays"]}
+        return configs
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"tuning.tile_gemm_configs: cannot read tile configurations from {path!r}: {e}") from e
 
@@ -256,9 +266,9 @@ def tile_pays(rows: int, n: int, k: int, fused_act: bool) -> bool:
     heads, not on the wide plain ones (whisper's 5120 x 1280 fc1: 8.0 us against 7.3; 1280 x 5120
     fc2: 10.3 against 9.6) unless the MLP's activation rides in it (a kernel saved); at 128 rows
     cuBLAS won every shape but the square ones (flan-t5-large's products 0.775 against 0.770 ms)."""
-    measured = measured_configs().get((_rows_bucket(rows), n, k))
+    measured = _measured(rows, n, k)
     if measured is not None:
-        return bool(measured["pays"]) or (fused_act and rows <= 64)
+        return measured["pays"] or (fused_act and rows <= 64)
     return rows <= 64 and (fused_act or n * k <= 5 << 20 or n >= 32768)
 
 

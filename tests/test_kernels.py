@@ -679,11 +679,16 @@ def test_tile_gemm_takes_the_measured_configurations_file(tmp_path):
         assert tile_gemm.tile_pays(64, 1024, 2816, False)
         assert not tile_gemm.tile_pays(64, 5120, 1280, False) and tile_gemm.tile_pays(64, 5120, 1280, True)
         assert not tile_gemm.tile_pays(128, 1024, 2816, False)            # no 128-row entry: the rule's cuBLAS
-        (tmp_path / "bad.json").write_text('{"64,1024": {"pays": true}}')
-        with pytest.raises(ValueError, match="tile_gemm_configs: cannot read tile configurations"):
-            tile_gemm.set_configs_file(str(tmp_path / "bad.json"))
+        for i, bad in enumerate(['{"64,1024": {"config": [64, 64, 128, 4, 3, 4], "pays": true}}',     # no K
+                                 '{"64,1024,1024": {"pays": true}}',                                 # no config
+                                 '{"64,1024,1024": {"config": [64, 64, 128, 4, 3], "pays": true}}',  # no SPLIT_K
+                                 '{"64,1024,1024": {"config": [64, 64, 128, 4, 3, 4]}}']):          # no verdict
+            (tmp_path / f"bad{i}.json").write_text(bad)
+            with pytest.raises(ValueError, match="tile_gemm_configs: cannot read tile configurations"):
+                tile_gemm.set_configs_file(str(tmp_path / f"bad{i}.json"))
         with pytest.raises(ValueError, match="tile_gemm_configs"):
             tile_gemm.set_configs_file(str(tmp_path / "missing.json"))
+        assert tile_gemm.launch_config(48, 1024, 2816) == (64, 64, 128, 4, 3, 4)     # the good file still in effect
     finally:
         tile_gemm.set_configs_file("")
     assert tile_gemm.launch_config(48, 1024, 2816)[5] == 1
