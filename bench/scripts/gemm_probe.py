@@ -100,16 +100,11 @@ def chain(models, row_counts, tbps, configs: str = "") -> list[dict]:
     def tile(x, w, b, act, gated):
         return tile_linear(x, w, b, act=act, gated=gated)
 
-    def tile_measured(x, w, b, act, gated):
-        set_configs_file(configs)
-        try:
-            return tile_linear(x, w, b, act=act, gated=gated)
-        finally:
-            set_configs_file("")
-
-    variants = {"cublas": (cublas, False), "cublas+pdl": (cublas, True), "tile": (tile, False), "tile+pdl": (tile, True)}
+    # name: (product, programmatic launch, configurations file)
+    variants = {"cublas": (cublas, False, ""), "cublas+pdl": (cublas, True, ""), "tile": (tile, False, ""),
+                "tile+pdl": (tile, True, "")}
     if configs:        # the engine's tile GEMM with a --save-configs file (split K where it chose it)
-        variants["tile+pdl+cfg"] = (tile_measured, True)
+        variants["tile+pdl+cfg"] = (tile, True, configs)
     results = []
     for model in models:
         layers, vocab, products = LAYER_CHAINS[model]
@@ -123,8 +118,9 @@ def chain(models, row_counts, tbps, configs: str = "") -> list[dict]:
             x0 = torch.randn(rows, d, device="cuda", dtype=torch.bfloat16)
             row = {"model": model, "rows": rows, "bound_us": nbytes / (tbps * 1e6)}
             outs = {}
-            for name, (fn, pdl) in variants.items():
+            for name, (fn, pdl, cfg) in variants.items():
                 set_programmatic_launch(pdl)
+                set_configs_file(cfg)
 
                 def run(fn=fn):
                     h = x0
@@ -138,6 +134,7 @@ def chain(models, row_counts, tbps, configs: str = "") -> list[dict]:
                     row[name] = float("nan")
                     print(f"{model} rows={rows} {name}: {type(e).__name__}: {e}", flush=True)
             set_programmatic_launch(False)
+            set_configs_file("")
             ref = outs["cublas"].float()
             row["max_rel_err"] = {k: ((v.float() - ref).abs().max() / ref.abs().max()).item() for k, v in outs.items()}
             results.append(row)
