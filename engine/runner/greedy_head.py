@@ -33,8 +33,15 @@ MAX_CANDIDATES = 64
 
 
 def greedy_head_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") \
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    """oneDNN's linear with bfloat16 weights on this CPU. It needs AVX-512 (BW, VL, DQ) or
+    AVX-NE-CONVERT: on an AVX2-only CPU (AMD Zen 2/3, Intel before Skylake-SP) the weight's reorder
+    raises, so there the float32 head is read as it is."""
+    mkldnn = torch.ops.mkldnn
+    if not (torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_reorder_linear_weight")
+            and hasattr(mkldnn, "_linear_pointwise")):
+        return False
+    supported = getattr(mkldnn, "_is_mkldnn_bf16_supported", None)
+    return supported is None or bool(supported())
 
 
 class GreedyHead:
@@ -61,7 +68,13 @@ class GreedyHead:
         """``mask``: (rows, ids) that this step's masks remove (suppress lists, begin-suppress,
         min_tokens): each row's argmax is over the ids left, as over the masked float32 logits."""
         if self.packed is None:
-            self._prepare()
+            try:
+                self._prepare()
+            except RuntimeError:    # oneDNN refused the bfloat16 copy on this CPU: the float32 head
+                self.packed = False
+        if self.packed is False:
+            return self._fallback(hidden, mask, torch.arange(hidden.shape[0]),
+                                  torch.empty(hidden.shape[0], dtype=torch.long))
         x = hidden * self.scale if self.scale != 1.0 else hidden                        # [S, D]
         num_rows, vocab = x.shape[0], self.weight.shape[0]
         norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)                         # [S, 1]
