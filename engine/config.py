@@ -150,6 +150,7 @@ TUNING_ENV = {
     "tile_gemm_configs": "ENC2DEC_TILE_GEMM_CONFIGS",
     "tp_timeout_s": "ENC2DEC_TP_TIMEOUT_S",
     "encoder_tokens_while_decoding": "ENC2DEC_ENCODER_TOKENS_WHILE_DECODING",
+    "encoder_tokens_per_decoding_row": "ENC2DEC_ENCODER_TOKENS_PER_DECODING_ROW",
     "encoder_join_steps": "ENC2DEC_ENCODER_JOIN_STEPS",
     "encoder_beside_decoder": "ENC2DEC_ENCODER_BESIDE_DECODER",
     "encoder_batches_fit_graphs": "ENC2DEC_ENCODER_BATCHES_FIT_GRAPHS",
@@ -196,6 +197,13 @@ class TuningConfig:
     # any model (smoother inter-token latency, slower fill after a burst of arrivals). A
     # microbatch that replays an encoder graph counts the graph's positions, padding included.
     encoder_tokens_while_decoding: int = 0
+    # The same bound in proportion to the rows the step decodes: n running sequences admit at
+    # most n times this many encoder positions (0: none; with both set the smaller applies). A
+    # decode step's time grows with its rows and an encode beside it costs the same whatever
+    # they are, so one fixed bound suits one concurrency: bart-large-cnn kept its ITL p99 within
+    # 3x p50 and gained throughput with 2,048 positions at C=64 and 4,096 at C=128, and lost up to
+    # 4% with 2,048 at C=128 (docs/benchmarks.md, sessions 33-34), i.e. 32 a row at both.
+    encoder_tokens_per_decoding_row: int = 0
     # On one CUDA GPU, requests admitted while others decode are encoded on a second stream,
     # beside the next decode step, and join the batch one step later, so the running sequences
     # do not wait for a new request's encoder (tensor parallel and the CPU always encode in the
@@ -236,6 +244,8 @@ class TuningConfig:
             raise ValueError(f"{o}.tile_gemm_configs must be a file path or \"\", got {self.tile_gemm_configs!r}")
         _check_positive_int(o, "attn_min_keys_per_split", self.attn_min_keys_per_split)
         _check_positive_int(o, "encoder_tokens_while_decoding", self.encoder_tokens_while_decoding, allow_zero=True)
+        _check_positive_int(o, "encoder_tokens_per_decoding_row", self.encoder_tokens_per_decoding_row,
+                            allow_zero=True)
         _check_positive_int(o, "encoder_join_steps", self.encoder_join_steps, allow_zero=True)
         t = self.tp_timeout_s
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0:

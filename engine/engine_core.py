@@ -196,14 +196,18 @@ class EngineCore:
                     str(self.dtype).replace("torch.", ""), attn, time.perf_counter() - t0, kv_dtype,
                     plan.describe(max_input_len, args.max_seq_len or 256))
         cfg = src.hf_config
+        per_row = args.tuning.encoder_tokens_per_decoding_row
         tokens, join = encoder_admission(
             args.tuning, self.is_whisper, getattr(cfg, "encoder_layers", 0), getattr(cfg, "decoder_layers", 0),
             max_input_len, getattr(self.runner, "encodes_beside", False))    # a tensor-parallel driver has none
         self.limits = dataclasses.replace(self.limits, feed_prompt_one_token_per_step=self.runner.graphs is not None,
-                                          encoder_max_num_tokens_while_decoding=tokens, defer_joins_while_decoding=join)
-        if tokens or join:      # what tuning's auto values (0) resolved to for this model and device
+                                          encoder_max_num_tokens_while_decoding=tokens, defer_joins_while_decoding=join,
+                                          encoder_max_num_tokens_per_decoding_row=per_row)
+        if tokens or join or per_row:      # what tuning's auto values (0) resolved to for this model and device
             beside = f", encoded beside the decoder, joining {join} step{'s' * (join > 1)} later" if join else ""
-            logger.info("admission while decoding: %s encoder positions a step%s", tokens or "unbounded", beside)
+            bound = " and ".join(filter(None, [f"{tokens}" if tokens else "",
+                                               f"{per_row} per decoding row" if per_row else ""])) or "unbounded"
+            logger.info("admission while decoding: %s encoder positions a step%s", bound, beside)
         self.scheduler = Scheduler(self.limits, plan.num_self_blocks, plan.num_cross_blocks)
         # Tensor parallel: rank 0 captured the buckets every rank did (the same arguments).
         encoder_graphs = getattr(self.runner, "encoder_graphs", None)

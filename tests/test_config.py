@@ -126,6 +126,8 @@ def test_config_import_does_not_pull_torch():
     ({"tuning": {"attn_min_keys_per_split": 0}}, "tuning.attn_min_keys_per_split must be an integer >= 1"),
     ({"tuning": {"tp_timeout_s": -1}}, "tuning.tp_timeout_s must be a number of seconds > 0"),
     ({"tuning": {"encoder_tokens_while_decoding": -1}}, "tuning.encoder_tokens_while_decoding must be an integer >= 0"),
+    ({"tuning": {"encoder_tokens_per_decoding_row": 1.5}},
+     "tuning.encoder_tokens_per_decoding_row must be an integer >= 0"),
     ({"tuning": {"fused_gemv": "no"}}, "tuning.fused_gemv must be true or false"),
     ({"tuning": {"tile_gemm_configs": 1}}, "tuning.tile_gemm_configs must be a file path"),
     ({"tuning": {"encoder_beside_decoder": 1}}, "tuning.encoder_beside_decoder must be true or false"),
@@ -153,6 +155,7 @@ def test_tuning_from_yaml_and_env_overrides_land_in_the_args(tmp_path, monkeypat
     monkeypatch.setenv("ENC2DEC_ENCODER_TOKENS_WHILE_DECODING", "3000")
     monkeypatch.setenv("ENC2DEC_ENCODER_BESIDE_DECODER", "0")
     monkeypatch.setenv("ENC2DEC_ENCODER_JOIN_STEPS", "4")
+    monkeypatch.setenv("ENC2DEC_ENCODER_TOKENS_PER_DECODING_ROW", "32")
     monkeypatch.setenv("ENC2DEC_CPU_GREEDY_HEAD", "0")
     monkeypatch.setenv("ENC2DEC_CROSS_KV_HEAD_MAJOR", "0")
     monkeypatch.setenv("ENC2DEC_ENCODER_BATCHES_FIT_GRAPHS", "0")
@@ -163,7 +166,8 @@ def test_tuning_from_yaml_and_env_overrides_land_in_the_args(tmp_path, monkeypat
     monkeypatch.setenv("ENC2DEC_TILE_GEMM_CONFIGS", "/etc/enc2dec/h100.json")
     tuning = dataclasses.asdict(LlmArgs.from_yaml(str(path)))["tuning"]     # what reports record
     assert tuning == {"skinny_gemm": False, "fused_gemv": False, "attn_min_keys_per_split": 256,
-                      "tp_timeout_s": 30.0, "encoder_tokens_while_decoding": 3000, "encoder_beside_decoder": False,
+                      "tp_timeout_s": 30.0, "encoder_tokens_while_decoding": 3000, "encoder_tokens_per_decoding_row": 32,
+                      "encoder_beside_decoder": False,
                       "encoder_join_steps": 4, "encoder_batches_fit_graphs": False, "cross_kv_head_major": False,
                       "cpu_greedy_head": False, "attn_last_split_merges": False, "attn_store_in_kernel": False,
                       "programmatic_launch": False, "tile_gemm": True, "tile_gemm_configs": "/etc/enc2dec/h100.json"}
@@ -239,7 +243,7 @@ def test_bench_report_records_the_tuning_in_effect(tmp_path, monkeypatch):
     assert r.exit_code == 0, r.output
     assert json.loads(out.read_text())["engine_args"]["tuning"] == {
         "skinny_gemm": True, "fused_gemv": False, "attn_min_keys_per_split": 64, "tp_timeout_s": 600.0,
-        "encoder_tokens_while_decoding": 0, "encoder_beside_decoder": True, "encoder_join_steps": 0,
-        "encoder_batches_fit_graphs": True, "cross_kv_head_major": True, "cpu_greedy_head": True,
+        "encoder_tokens_while_decoding": 0, "encoder_tokens_per_decoding_row": 0, "encoder_beside_decoder": True,
+        "encoder_join_steps": 0, "encoder_batches_fit_graphs": True, "cross_kv_head_major": True, "cpu_greedy_head": True,
         "attn_last_split_merges": True, "attn_store_in_kernel": True, "programmatic_launch": True,
         "tile_gemm": False, "tile_gemm_configs": ""}

@@ -169,6 +169,36 @@ def test_engine_with_deferred_joins_matches_the_engine_without(flan_t5, monkeypa
     assert results == reference and len(results) == len(prompts)
 
 
+def test_an_engine_bounding_encodes_per_decoding_row_gives_the_same_tokens(flan_t5):
+    """tuning.encoder_tokens_per_decoding_row reaches the scheduler: a step that decodes n rows
+    encodes one request, or at most n x the bound's positions; the tokens are those of the
+    unbounded engine."""
+    prompts = [f"translate English to German: sentence number {i} is here" for i in range(9)]
+    params = [SamplingParams(max_tokens=4 + i % 5, temperature=0.0, ignore_eos=True) for i in range(9)]
+
+    def run(per_row: int):
+        core = EngineCore(LlmArgs(model=flan_t5, dtype="float32", max_batch_size=6,
+                                  tuning=TuningConfig(encoder_tokens_per_decoding_row=per_row),
+                                  kv_cache_config=KvCacheConfig(cross_kv_cache_fraction=0.5, tokens_per_block=4,
+                                                                max_cpu_memory_bytes=64 << 20)))
+        assert core.limits.encoder_max_num_tokens_per_decoding_row == per_row
+        steps, launch = [], core.runner.launch
+
+        def counted(so):
+            new = {e.request_id for e in so.encodes}
+            steps.append((len(so.encodes), so.num_encoder_tokens, sum(s.request_id not in new for s in so.seqs)))
+            return launch(so)
+        core.runner.launch = counted
+        return _drain(core, prompts, params), steps
+
+    reference, free_steps = run(0)
+    results, steps = run(8)          # a prompt is ~14 positions: two rows' worth for each request
+    assert results == reference and len(results) == len(prompts)
+    assert all(n <= 1 or decoding == 0 or positions <= 8 * decoding for n, positions, decoding in steps)
+    assert max(n for n, _, decoding in free_steps if decoding) > max(n for n, _, decoding in steps if decoding), \
+        "the bound admits fewer requests beside few decoding rows than the unbounded engine"
+
+
 @pytest.mark.parametrize("name,beside,expected", [
     ("openai/whisper-large-v3-turbo", True, (3000, 2)),     # 4 decoder layers to 32 encoder layers
     ("distil-whisper/distil-large-v3", True, (3000, 2)),

@@ -73,10 +73,12 @@ def make_request(rid: str, encoder_len: int, max_output_tokens: int, n: int = 1,
 
 
 def limits(max_batch_size=BIG, max_num_tokens=BIG, encoder_max_batch_size=BIG,
-           encoder_max_num_tokens=BIG, tokens_per_block=4, encoder_max_num_tokens_while_decoding=0) -> SchedulerLimits:
+           encoder_max_num_tokens=BIG, tokens_per_block=4, encoder_max_num_tokens_while_decoding=0,
+           encoder_max_num_tokens_per_decoding_row=0) -> SchedulerLimits:
     return SchedulerLimits(max_batch_size, max_num_tokens, encoder_max_batch_size,
                            encoder_max_num_tokens, tokens_per_block,
-                           encoder_max_num_tokens_while_decoding=encoder_max_num_tokens_while_decoding)
+                           encoder_max_num_tokens_while_decoding=encoder_max_num_tokens_while_decoding,
+                           encoder_max_num_tokens_per_decoding_row=encoder_max_num_tokens_per_decoding_row)
 
 
 def check_blocks(sched: Scheduler) -> None:
@@ -215,6 +217,33 @@ def test_steps_that_decode_encode_at_most_their_encoder_budget():
     sched.add_request(make_request("c", 30, 8, ignore_eos=True))
     so = sched.schedule()
     assert [e.request_id for e in so.encodes] == ["b"] and len(so.seqs) == 2
+
+
+def test_an_encoder_bound_per_decoding_row_admits_more_as_more_rows_decode():
+    # 30-position requests, 10 positions a decoding row: one request a step while under 6 rows
+    # decode, then more as the batch grows; with a fixed bound of 60 as well, never over 2.
+    def encodes_per_step(**bounds):
+        sched = Scheduler(limits(**bounds), 5000, 5000)
+        model, counts = PagedFakeModel(5000, 5000, 4), []
+        sched.add_request(make_request("first", 8, 200, ignore_eos=True))
+        sched.update(so := sched.schedule(), model.execute(so))
+        for i in range(40):
+            sched.add_request(make_request(f"r{i}", 30, 200, ignore_eos=True))
+        while sched.waiting:
+            so = sched.schedule()
+            decoding = len(so.seqs) - len(so.encodes)       # the new requests decode in this step too
+            cap = min(c for c in (bounds.get("encoder_max_num_tokens_while_decoding", 0),
+                                  bounds["encoder_max_num_tokens_per_decoding_row"] * decoding) if c)
+            assert len(so.encodes) == 1 or so.num_encoder_tokens <= cap
+            counts.append(len(so.encodes))
+            sched.update(so, model.execute(so))
+        return counts
+
+    counts = encodes_per_step(encoder_max_num_tokens_per_decoding_row=10)
+    assert counts[:5] == [1, 1, 1, 1, 1] and counts[5] == 2, counts
+    assert max(counts) >= 8 and sum(counts) == 40, "the queue drains faster as the batch grows"
+    both = encodes_per_step(encoder_max_num_tokens_per_decoding_row=10, encoder_max_num_tokens_while_decoding=60)
+    assert max(both) == 2 and both[:5] == counts[:5], "the smaller bound applies"
 
 
 def test_encoder_microbatches_stay_inside_the_captured_encoder_graphs():

@@ -26,6 +26,7 @@
 #   bash bench/scripts/gpu_session.sh serveprof        # carry .whl .prof: py-spy over serve + 4 bench clients
 #   bash bench/scripts/gpu_session.sh seeded           # flan-t5-large seeded x3, Triton compiles per run
 #   bash bench/scripts/gpu_session.sh tile             # the tile GEMM: tests, configuration sweep, A/B (~9 min)
+#   bash bench/scripts/gpu_session.sh budget           # bart-large-cnn's encoder bound per decoding row (~5 min)
 #
 # Why the parts: a call carries at most 64 MiB and whisper-base in bf16 is 147 MB, so it is
 # staged in /tmp over three calls made back to back (a machine that went idle comes back bare:
@@ -192,6 +193,17 @@ PY
       NUM_REQUESTS_WHISPER=128 AB="base: tile:ENC2DEC_TILE_GEMM=1 cfg:ENC2DEC_TILE_GEMM=1,ENC2DEC_TILE_GEMM_CONFIGS=/tmp/tilecfg.json" \
       bash bench/scripts/real_workloads.sh t5-ab wh-ab
     python bench/scripts/summarize.py /tmp/rw-tile 2>&1 | tail -8 ;;
+  budget)      # issue 19's ITL rule (p99 within 3x p50) for bart-large-cnn 384/128 without losing out tok/s:
+               # the encoder bound per decoding row (tuning.encoder_tokens_per_decoding_row, 32) against the
+               # default (unbounded) and the fixed bounds that suited one concurrency each (2,048 at C=64,
+               # 4,096 at C=128; sessions 33-34), at C=64 and C=128, 2,048 requests each (~5 min).
+    setup
+    ROW=ENC2DEC_ENCODER_TOKENS_PER_DECODING_ROW=32 C64=--concurrency=64,--max-batch-size=64
+    OUT=$OUT/budget WORK=/tmp/rw-budget TOTAL_S=${BUDGET_TOTAL:-300} NUM_REQUESTS_BIG=2048 \
+      AB="c64:$C64 c64row:$ROW,$C64 c64b2k:ENC2DEC_ENCODER_TOKENS_WHILE_DECODING=2048,$C64 \
+          fit: row:$ROW b4k:ENC2DEC_ENCODER_TOKENS_WHILE_DECODING=4096" \
+      bash bench/scripts/real_workloads.sh warm bart-ab
+    python bench/scripts/summarize.py /tmp/rw-budget 2>&1 | tail -8 ;;
   *) echo "unknown step $1"; exit 2 ;;
   esac
   shift

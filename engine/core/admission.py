@@ -28,6 +28,9 @@ class SchedulerLimits:
     # what one admission costs their inter-token latency; the first request of a step is always
     # admitted, so nothing starves.
     encoder_max_num_tokens_while_decoding: int = 0
+    # The same bound per sequence the step decodes (0: none; tuning.encoder_tokens_per_decoding_row
+    # says why); with both set, the smaller applies.
+    encoder_max_num_tokens_per_decoding_row: int = 0
     # k > 0: a request admitted while other sequences decode joins the batch k steps later; the
     # runner encodes it beside those k decode steps (0: it decodes in its admission step).
     defer_joins_while_decoding: int = 0
@@ -35,8 +38,9 @@ class SchedulerLimits:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, bool) or value == 0 and f.name in ("encoder_max_num_tokens_while_decoding",
-                                                                    "defer_joins_while_decoding"):
+            if isinstance(value, bool) or value == 0 and f.name in (
+                    "encoder_max_num_tokens_while_decoding", "encoder_max_num_tokens_per_decoding_row",
+                    "defer_joins_while_decoding"):
                 continue
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{f.name} must be a positive integer, got {value!r}")

@@ -270,7 +270,7 @@ class Scheduler(BeamScheduling):
 
     def _admit_waiting(self, out: SchedulerOutput, budget: _StepBudget) -> None:
         # Bound the encoder work of a step that running sequences also wait on (their ITL).
-        cap = self.limits.encoder_max_num_tokens_while_decoding if budget.num_seqs else 0
+        cap = self._encoder_cap(budget.num_seqs)
         # Sequences decode this step: new requests join once their encoder has run beside them.
         ticket = self._num_schedules if self.limits.defer_joins_while_decoding and budget.num_seqs else 0
         deferred = []
@@ -287,6 +287,16 @@ class Scheduler(BeamScheduling):
         if deferred:
             out.encode_ticket = ticket
             self._pending_joins.append((ticket, deferred))
+
+    def _encoder_cap(self, num_decoding: int) -> int:
+        """Encoder positions a step that decodes ``num_decoding`` sequences may encode (0: no
+        bound but the step's own limits)."""
+        if not num_decoding:
+            return 0
+        lim = self.limits
+        caps = [c for c in (lim.encoder_max_num_tokens_while_decoding,
+                            lim.encoder_max_num_tokens_per_decoding_row * num_decoding) if c]
+        return min(caps, default=0)
 
     def _ends_encoder_microbatch(self, req: Request, budget: _StepBudget, cap: int) -> bool:
         """Whether ``req`` should wait for a later step rather than join this step's encoder
