@@ -18,6 +18,20 @@ app = typer.Typer(
 @app.callback()
 def _main() -> None:
     """Fast inference for Hugging Face encoder-decoder models (T5, BART, mBART, Whisper)."""
+    _exit_without_collecting()
+
+
+def _exit_without_collecting() -> None:
+    """The process ends after the command: freeze the heap at exit (the last atexit call, as the
+    first registered), so the interpreter's final collection does not walk a loaded model and
+    transformers' import graph for nothing: ~1 s of every command's exit on a 2-core AMD EPYC
+    (docs/benchmarks.md, session 39), which scripts calling enc2dec in a loop pay each time."""
+    import atexit
+    import gc
+
+    if not getattr(_exit_without_collecting, "done", False):
+        _exit_without_collecting.done = True
+        atexit.register(gc.freeze)
 
 
 @app.command()
