@@ -2,7 +2,8 @@
 
 A greedy decode step at one row on the CPU reads the whole LM head (flan-t5-small: 32,128 x 512
 floats, 66 MB, ~2.6 ms of an ~11.7 ms step on 2 cores) to keep one id. ``GreedyHead`` finds that
-id through a bfloat16 copy of the head, prepacked for oneDNN, and then proves it:
+id through a bfloat16 copy of the head (prepacked for oneDNN where the CPU has its bfloat16
+linear, else multiplied by ATen's bfloat16 product), and then proves it:
 
 1. ``approx = bf16(x) @ bf16(W).T``: every logit within ``err`` of its float32 value, where
    ``err <= ERR_SCALE * |x| * max_j |w_j|`` (x and w rounded to bfloat16: 2^-8 of
@@ -32,16 +33,24 @@ ERR_SCALE = 2.0 ** -8 + 2.0 ** -9 + 5e-4
 MAX_CANDIDATES = 64
 
 
-def greedy_head_available() -> bool:
-    """oneDNN's linear with bfloat16 weights on this CPU. It needs AVX-512 (BW, VL, DQ) or
-    AVX-NE-CONVERT: on an AVX2-only CPU (AMD Zen 2/3, Intel before Skylake-SP) the weight's reorder
-    raises, so there the float32 head is read as it is."""
+def onednn_bf16() -> bool:
+    """oneDNN's prepacked linear with bfloat16 weights on this CPU: it needs AVX-512 (BW, VL, DQ)
+    or AVX-NE-CONVERT; on an AVX2-only CPU (AMD Zen 2/3, Intel before Skylake-SP) the weight's
+    reorder raises."""
     mkldnn = torch.ops.mkldnn
     if not (torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_reorder_linear_weight")
             and hasattr(mkldnn, "_linear_pointwise")):
         return False
     supported = getattr(mkldnn, "_is_mkldnn_bf16_supported", None)
     return supported is None or bool(supported())
+
+
+def greedy_head_available() -> bool:
+    """A bfloat16 product of the head faster than the float32 one on this CPU: oneDNN's (above),
+    else ATen's own bfloat16 matmul on an x86 CPU with AVX2 (float32 accumulation, the output
+    rounded to bfloat16: the bound above). On a 2-core AMD EPYC without AVX-512 flan-t5-small's
+    head took 3.5 ms that way against 10.7 ms in float32 (docs/benchmarks.md, session 39)."""
+    return onednn_bf16() or torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
 class GreedyHead:
@@ -58,7 +67,14 @@ class GreedyHead:
         model = self.model
         weight = (model.lm_head.weight if model.lm_head is not None else model.embed_tokens.weight).detach()
         self.weight = weight                                          # [V, D] float32, shared with the model
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(torch.bfloat16), None)
+        copy = weight.to(torch.bfloat16)
+        self.onednn = onednn_bf16()
+        if self.onednn:
+            try:
+                copy = torch.ops.mkldnn._reorder_linear_weight(copy, None)
+            except RuntimeError:        # refused on this CPU after all: ATen's product instead
+                self.onednn = False
+        self.packed = copy if self.onednn else copy.t()               # [D, V] for ATen's x @ W^T
         self.max_row_norm = float(weight.norm(dim=1).max())
         bias = getattr(model, "final_logits_bias", None)               # [1, V] (BART) or absent
         self.bias = None if bias is None else bias.detach().reshape(-1).float()
@@ -68,17 +84,14 @@ class GreedyHead:
         """``mask``: (rows, ids) that this step's masks remove (suppress lists, begin-suppress,
         min_tokens): each row's argmax is over the ids left, as over the masked float32 logits."""
         if self.packed is None:
-            try:
-                self._prepare()
-            except RuntimeError:    # oneDNN refused the bfloat16 copy on this CPU: the float32 head
-                self.packed = False
-        if self.packed is False:
-            return self._fallback(hidden, mask, torch.arange(hidden.shape[0]),
-                                  torch.empty(hidden.shape[0], dtype=torch.long))
+            self._prepare()
         x = hidden * self.scale if self.scale != 1.0 else hidden                        # [S, D]
         num_rows, vocab = x.shape[0], self.weight.shape[0]
         norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)                         # [S, 1]
-        approx = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self.packed, None, "none", [], "")
+        if self.onednn:
+            approx = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self.packed, None, "none", [], "")
+        else:
+            approx = torch.mm(x.to(torch.bfloat16), self.packed)                        # [S, V] bfloat16
         if self.bias is not None:
             approx = approx.float() + self.bias                                          # [S, V]
         if mask is not None:
