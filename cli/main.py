@@ -22,9 +22,9 @@ def _main() -> None:
 
 
 def _exit_without_collecting() -> None:
-    """The process ends after the command: freeze the heap at exit (the last atexit call, as the
-    first registered), so the interpreter's final collection does not walk a loaded model and
-    transformers' import graph for nothing: ~1 s of every command's exit on a 2-core AMD EPYC
+    """The process ends after the command: freeze the heap at exit (an atexit hook; the others still
+    run), so the interpreter's final collection does not walk a loaded model and transformers'
+    import graph for nothing: ~1 s of every command's exit on a 2-core AMD EPYC
     (docs/benchmarks.md, session 39), which scripts calling enc2dec in a loop pay each time."""
     import atexit
     import gc
