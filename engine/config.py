@@ -202,7 +202,8 @@ class TuningConfig:
     # decode step's time grows with its rows and an encode beside it costs the same whatever
     # they are, so one fixed bound suits one concurrency: bart-large-cnn kept its ITL p99 within
     # 3x p50 and gained throughput with 2,048 positions at C=64 and 4,096 at C=128, and lost up to
-    # 4% with 2,048 at C=128 (docs/benchmarks.md, sessions 33-34), i.e. 32 a row at both.
+    # 4% with 2,048 at C=128 (docs/benchmarks.md, sessions 33-34). 40 a row admits what each did
+    # (graph-padded microbatches of 384-position inputs: 4 x 512 from 52 rows, 8 x 512 from 103).
     encoder_tokens_per_decoding_row: int = 0
     # On one CUDA GPU, requests admitted while others decode are encoded on a second stream,
     # beside the next decode step, and join the batch one step later, so the running sequences

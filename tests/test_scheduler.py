@@ -284,6 +284,31 @@ def test_encoder_microbatches_stay_inside_the_captured_encoder_graphs():
     assert encodes_per_step(positions, [384] * 20, while_decoding=4096)[:2] == [8, 8]
 
 
+def test_an_encoder_bound_per_decoding_row_counts_the_graphs_padded_positions():
+    # bart-large-cnn's graphs (as above), 40 positions a decoding row: 384-position requests are
+    # encoded 4 x 512 beside 52 decoding rows, 8 x 512 beside 103, and only 2 beside 51 (a
+    # 3- or 4-request microbatch replays the 4 x 512 graph: 2,048 > 2,040).
+    buckets = [(b, n) for b in (1, 2, 4, 8, 16, 32) for n in (64, 128, 256, 512, 1024) if b * n <= 8192]
+
+    def positions(count, longest):
+        return min((b * n for b, n in buckets if b >= count and n >= longest), default=None)
+
+    def first_encodes(num_decoding):
+        sched = Scheduler(limits(encoder_max_num_tokens_per_decoding_row=40), 50_000, 50_000)
+        model = PagedFakeModel(50_000, 50_000, 4)
+        for i in range(num_decoding):
+            sched.add_request(make_request(f"d{i}", 8, 64, ignore_eos=True))
+        sched.update(so := sched.schedule(), model.execute(so))
+        assert len(so.encodes) == num_decoding
+        sched.encoder_graph_positions = positions      # (the rows above were admitted in one go)
+        for i in range(20):
+            sched.add_request(make_request(f"r{i}", 384, 4, ignore_eos=True))
+        so = sched.schedule()
+        return len(so.encodes)
+
+    assert [first_encodes(n) for n in (51, 52, 102, 103, 128)] == [2, 4, 4, 8, 8]
+
+
 def test_token_budget_counts_encoder_and_decoder_tokens():
     sched = Scheduler(limits(max_num_tokens=30), 100, 100)
     model = PagedFakeModel(100, 100, 4)

@@ -194,11 +194,11 @@ PY
       bash bench/scripts/real_workloads.sh t5-ab wh-ab
     python bench/scripts/summarize.py /tmp/rw-tile 2>&1 | tail -8 ;;
   budget)      # issue 19's ITL rule (p99 within 3x p50) for bart-large-cnn 384/128 without losing out tok/s:
-               # the encoder bound per decoding row (tuning.encoder_tokens_per_decoding_row, 32) against the
+               # the encoder bound per decoding row (tuning.encoder_tokens_per_decoding_row, 40) against the
                # default (unbounded) and the fixed bounds that suited one concurrency each (2,048 at C=64,
                # 4,096 at C=128; sessions 33-34), at C=64 and C=128, 2,048 requests each (~5 min).
     setup
-    ROW=ENC2DEC_ENCODER_TOKENS_PER_DECODING_ROW=32 C64=--concurrency=64,--max-batch-size=64
+    ROW=ENC2DEC_ENCODER_TOKENS_PER_DECODING_ROW=${ROW_TOKENS:-40} C64=--concurrency=64,--max-batch-size=64
     OUT=$OUT/budget WORK=/tmp/rw-budget TOTAL_S=${BUDGET_TOTAL:-300} NUM_REQUESTS_BIG=2048 \
       AB="c64:$C64 c64row:$ROW,$C64 c64b2k:ENC2DEC_ENCODER_TOKENS_WHILE_DECODING=2048,$C64 \
           fit: row:$ROW b4k:ENC2DEC_ENCODER_TOKENS_WHILE_DECODING=4096" \
