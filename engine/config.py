@@ -187,7 +187,8 @@ class TuningConfig:
     tile_gemm: bool = False
     # A JSON file of the tile GEMM's configurations measured on this kind of GPU (each shape's
     # tiling, split of K, and whether it beat cuBLAS: ``bench/scripts/gemm_probe.py --triton
-    # --save-configs``); "" keeps ``kernels/tile_gemm.launch_config``'s rule, which never splits K.
+    # --save-configs``); "" the file shipped for this GPU's name (``kernels/configs/``), where there is
+    # one, else ``kernels/tile_gemm.launch_config``'s rule, which never splits K; "none" that rule.
     tile_gemm_configs: str = ""
     tp_timeout_s: float = 600.0           # longest wait of a tensor-parallel collective or worker start-up
     # Encoder positions admitted in a step that also decodes running sequences. 0 (auto): one

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import functools
 import json
+import re
+from pathlib import Path
 
 import torch
 
@@ -231,6 +233,24 @@ def set_configs_file(path: str) -> None:
     fails the engine's start, not its first product."""
     _read_configs(path)
     _CONFIGS_FILE["path"] = path
+
+
+# Configurations measured on a kind of GPU and shipped with the package, one file a device name
+# (vLLM ships its tuned Triton MoE configurations the same way): ``tile_gemm_<name>.json``, the
+# name as ``torch.cuda.get_device_name`` gives it with every run of other characters as "_".
+CONFIGS_DIR = Path(__file__).parent / "configs"
+
+
+def configs_file_for(setting: str, device_name: str) -> str:
+    """The configurations file ``tuning.tile_gemm_configs`` names on a GPU called ``device_name``:
+    a path as given; "" the file shipped for that GPU (``CONFIGS_DIR``) or, where none is, no
+    file (``launch_config``'s rule); "none" no file even where one is shipped."""
+    if setting == "none":
+        return ""
+    if setting:
+        return setting
+    shipped = CONFIGS_DIR / f"tile_gemm_{re.sub(r'[^A-Za-z0-9]+', '_', device_name).strip('_')}.json"
+    return str(shipped) if device_name and shipped.is_file() else ""
 
 
 def _measured(rows: int, n: int, k: int) -> dict | None:

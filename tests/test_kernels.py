@@ -692,3 +692,21 @@ def test_tile_gemm_takes_the_measured_configurations_file(tmp_path):
     finally:
         tile_gemm.set_configs_file("")
     assert tile_gemm.launch_config(48, 1024, 2816)[5] == 1
+
+
+def test_tile_gemm_finds_the_configurations_shipped_for_its_gpu(tmp_path, monkeypatch):
+    """tuning.tile_gemm_configs "" takes the file shipped for the GPU's name (kernels/configs/),
+    and the built-in rule on a GPU with none; "none" the rule even where one is shipped; a path
+    is taken as given."""
+    from enc2dec.kernels import tile_gemm
+
+    for f in tile_gemm.CONFIGS_DIR.glob("*.json"):                             # what the package ships reads
+        tile_gemm._read_configs(str(f))
+    monkeypatch.setattr(tile_gemm, "CONFIGS_DIR", tmp_path)
+    shipped = tmp_path / "tile_gemm_NVIDIA_H100_80GB_HBM3.json"
+    shipped.write_text("{}")
+    assert tile_gemm.configs_file_for("", "NVIDIA H100 80GB HBM3") == str(shipped)
+    assert tile_gemm.configs_file_for("", "NVIDIA H200") == ""                 # nothing measured there
+    assert tile_gemm.configs_file_for("", "") == ""                            # the CPU
+    assert tile_gemm.configs_file_for("none", "NVIDIA H100 80GB HBM3") == ""
+    assert tile_gemm.configs_file_for("/etc/h.json", "NVIDIA H100 80GB HBM3") == "/etc/h.json"

@@ -34,6 +34,7 @@ from enc2dec.engine.runner.sampler import (BeamGroup, DeviceSample, Sampler, Seq
                                            all_simple)
 from enc2dec.engine.runner.sampling_ops import stream_key
 from enc2dec.kernels import programmatic_launch_on, set_programmatic_launch
+from enc2dec.kernels.tile_gemm import configs_file_for
 
 logger = logging.getLogger("enc2dec")
 
@@ -182,7 +183,9 @@ class ModelRunner:
             use_triton_norms(self.model)
         skinny = tuning.skinny_gemm and skinny_linear_enabled(device, self.backend.name)
         # without programmatic launch the tile GEMM is slower than cuBLAS (docs/benchmarks.md, session 37)
-        set_tile_gemm(skinny and tuning.tile_gemm and programmatic_launch_on(device), tuning.tile_gemm_configs)
+        set_tile_gemm(skinny and tuning.tile_gemm and programmatic_launch_on(device),
+                      configs_file_for(tuning.tile_gemm_configs,
+                                       torch.cuda.get_device_name(device) if device.type == "cuda" else ""))
         if skinny:
             use_skinny_linear(self.model, fuse=tuning.fused_gemv)
         # One kernel path per linear: the skinny GEMV's classes (CUDA, or the interpreter when
