@@ -31,7 +31,7 @@ def path(request, monkeypatch):
     if request.param == "kernel":
         if not HAS_TRITON:
             pytest.skip("triton is not installed")
-        monkeypatch.setattr(sampling_ops, "gumbel_race_ref", sampling.gumbel_race)
+        monkeypatch.setattr(sampling_ops, "gumbel_race_cpu", sampling.gumbel_race)
     else:
         monkeypatch.setattr(sampling, "can_use_triton", lambda *tensors: False)
     return request.param
@@ -339,3 +339,45 @@ def test_a_sampled_batch_of_any_size_launches_the_kernel_variants_already_compil
         for name, _, args, _ in launches:
             offsets = [a.data_ptr() % 16 for a in args if isinstance(a, torch.Tensor)]
             assert not any(offsets), (rows, num_seeded, name, offsets)
+
+
+def test_cpu_race_tokens_equal_the_reference():
+    """The CPU race (numpy's uint32 hash, the kernel's search instead of a sort) draws the
+    reference's tokens: flat, tied and coarse rows, top-k floors with ties, tight top-p that
+    takes several rejection rounds, min-p, rows with one or no token left, seeded and fresh keys."""
+    rows, vocab = 7, 300
+    rounds = 0
+    for seed, case in [(s, c) for s in range(4) for c in (filter_case, split_case)]:
+        scores, top_k, top_p, min_p = case(rows, vocab, seed)
+        scores, top_k, top_p, min_p = (t.cpu() for t in (scores, top_k, top_p, min_p))
+        keys = keys_of(rows, seed=seed).cpu()
+        assert torch.equal(sampling_ops.race_uniform_cpu(keys, vocab), ref.race_uniform_ref(keys, vocab))
+        assert sampling_ops.gumbel_race_cpu(scores, keys[:3], keys[3:]).tolist() == \
+            ref.gumbel_race_ref(scores, keys).tolist()
+        floor = ref.top_k_floor_ref(scores, top_k, vocab // 2)
+        got = sampling_ops.filtered_race_cpu(scores, floor, top_p, min_p, keys[:3], keys[3:])
+        assert got.tolist() == ref.filtered_race_ref(scores, floor, top_p, min_p, keys).tolist()
+        assert case is filter_case or (got[5] == 0 and got[4] >= vocab - 5)
+        rounds = max(rounds, *_rounds_needed(scores, floor, top_p, min_p, keys))
+    assert rounds >= 3                                                        # the search's later rounds ran
+
+
+def test_cpu_race_keeps_the_filters_exact_boundaries():
+    """Rows where min-p alone decides, and where top-p's mass before a token equals the cut
+    exactly (four tied tokens, top-p 0.5: the first two stay, the third does not), drawn with
+    64 keys each: the CPU race keeps exactly the reference's tokens."""
+    draws, vocab = 64, 50
+    min_p_row = torch.full((vocab,), -4.0)
+    min_p_row[:3] = torch.tensor([2.0, 1.9, 1.0])            # min-p 0.5 keeps scores >= 2 - ln 2: tokens 0, 1
+    tied_row = torch.full((vocab,), float("-inf"))
+    tied_row[10:14] = 0.0                                    # mass 1 each: before token 12 is exactly 2 = 0.5 x 4
+    scores = torch.cat([min_p_row.expand(draws, -1), tied_row.expand(draws, -1)])
+    top_p = torch.cat([torch.ones(draws), torch.full((draws,), 0.5)])
+    min_p = torch.cat([torch.full((draws,), 0.5), torch.zeros(draws)])
+    floor = torch.full((2 * draws,), float("-inf"))
+    keys = torch.tensor([[*stream_key(s, 0), 7] for s in range(2 * draws)])
+    got = sampling_ops.filtered_race_cpu(scores, floor, top_p, min_p, keys)
+    assert got.tolist() == ref.filtered_race_ref(scores, floor, top_p, min_p, keys).tolist()
+    assert set(got[:draws].tolist()) == {0, 1} and set(got[draws:].tolist()) == {10, 11}
+    # unfiltered, the same keys draw outside both kept sets
+    assert set(ref.gumbel_race_ref(scores, keys).tolist()) - {0, 1, 10, 11}

@@ -167,16 +167,16 @@ class _CountingRunner:
 
 @contextlib.contextmanager
 def _stubbed_race():
-    """The race kernels' CPU references replaced by one argmax while the block runs."""
+    """The race's CPU versions replaced by one argmax while the block runs."""
     from enc2dec.engine.runner import sampling_ops
 
-    saved = sampling_ops.gumbel_race_ref, sampling_ops.filtered_race_ref
-    sampling_ops.gumbel_race_ref = sampling_ops.filtered_race_ref = lambda scores, *keys_and_filters: \
+    saved = sampling_ops.gumbel_race_cpu, sampling_ops.filtered_race_cpu
+    sampling_ops.gumbel_race_cpu = sampling_ops.filtered_race_cpu = lambda scores, *keys_and_filters: \
         scores.argmax(dim=-1)
     try:
         yield
     finally:
-        sampling_ops.gumbel_race_ref, sampling_ops.filtered_race_ref = saved
+        sampling_ops.gumbel_race_cpu, sampling_ops.filtered_race_cpu = saved
 
 
 def _engine(num_running: int, output_len: int, overlap: bool, runner: str = "fake"):
