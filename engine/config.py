@@ -148,6 +148,7 @@ TUNING_ENV = {
     "programmatic_launch": "ENC2DEC_PROGRAMMATIC_LAUNCH",
     "tile_gemm": "ENC2DEC_TILE_GEMM",
     "tile_gemm_configs": "ENC2DEC_TILE_GEMM_CONFIGS",
+    "tile_gemm_norms": "ENC2DEC_TILE_GEMM_NORMS",
     "tp_timeout_s": "ENC2DEC_TP_TIMEOUT_S",
     "encoder_tokens_while_decoding": "ENC2DEC_ENCODER_TOKENS_WHILE_DECODING",
     "encoder_tokens_per_decoding_row": "ENC2DEC_ENCODER_TOKENS_PER_DECODING_ROW",
@@ -190,6 +191,11 @@ class TuningConfig:
     # --save-configs``); "" the file shipped for this GPU's name (``kernels/configs/``), where there is
     # one, else ``kernels/tile_gemm.launch_config``'s rule, which never splits K; "none" that rule.
     tile_gemm_configs: str = ""
+    # With the tile GEMM on, a batch's pre-norm (+ residual add) computed in the projection after it,
+    # as one-row steps do in the GEMV. Off: its normalised input tile leaves room for two pipeline
+    # stages only, and flan-t5-large C=64 fell from 31,604 to 19,243 out tok/s with it (H100,
+    # docs/benchmarks.md session 40), where the tile GEMM without it gave 34,492.
+    tile_gemm_norms: bool = False
     tp_timeout_s: float = 600.0           # longest wait of a tensor-parallel collective or worker start-up
     # Encoder positions admitted in a step that also decodes running sequences. 0 (auto): one
     # clip for Whisper, so admitting requests costs the running ones at most one encoder pass of
@@ -239,7 +245,7 @@ class TuningConfig:
         o = "tuning"
         for name in ("skinny_gemm", "fused_gemv", "encoder_beside_decoder", "encoder_batches_fit_graphs",
                      "cross_kv_head_major", "cpu_greedy_head", "attn_last_split_merges",
-                     "attn_store_in_kernel", "programmatic_launch", "tile_gemm"):
+                     "attn_store_in_kernel", "programmatic_launch", "tile_gemm", "tile_gemm_norms"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{o}.{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.tile_gemm_configs, str):

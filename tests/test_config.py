@@ -164,13 +164,15 @@ def test_tuning_from_yaml_and_env_overrides_land_in_the_args(tmp_path, monkeypat
     monkeypatch.setenv("ENC2DEC_PROGRAMMATIC_LAUNCH", "0")
     monkeypatch.setenv("ENC2DEC_TILE_GEMM", "1")
     monkeypatch.setenv("ENC2DEC_TILE_GEMM_CONFIGS", "/etc/enc2dec/h100.json")
+    monkeypatch.setenv("ENC2DEC_TILE_GEMM_NORMS", "1")
     tuning = dataclasses.asdict(LlmArgs.from_yaml(str(path)))["tuning"]     # what reports record
     assert tuning == {"skinny_gemm": False, "fused_gemv": False, "attn_min_keys_per_split": 256,
                       "tp_timeout_s": 30.0, "encoder_tokens_while_decoding": 3000, "encoder_tokens_per_decoding_row": 32,
                       "encoder_beside_decoder": False,
                       "encoder_join_steps": 4, "encoder_batches_fit_graphs": False, "cross_kv_head_major": False,
                       "cpu_greedy_head": False, "attn_last_split_merges": False, "attn_store_in_kernel": False,
-                      "programmatic_launch": False, "tile_gemm": True, "tile_gemm_configs": "/etc/enc2dec/h100.json"}
+                      "programmatic_launch": False, "tile_gemm": True, "tile_gemm_configs": "/etc/enc2dec/h100.json",
+                      "tile_gemm_norms": True}
     monkeypatch.setenv("ENC2DEC_FUSED_GEMV", "off")
     with pytest.raises(ValueError, match=r"ENC2DEC_FUSED_GEMV='off' \(tuning.fused_gemv\) is not valid"):
         LlmArgs()
@@ -246,4 +248,4 @@ def test_bench_report_records_the_tuning_in_effect(tmp_path, monkeypatch):
         "encoder_tokens_while_decoding": 0, "encoder_tokens_per_decoding_row": 0, "encoder_beside_decoder": True,
         "encoder_join_steps": 0, "encoder_batches_fit_graphs": True, "cross_kv_head_major": True, "cpu_greedy_head": True,
         "attn_last_split_merges": True, "attn_store_in_kernel": True, "programmatic_launch": True,
-        "tile_gemm": False, "tile_gemm_configs": ""}
+        "tile_gemm": False, "tile_gemm_configs": "", "tile_gemm_norms": False}

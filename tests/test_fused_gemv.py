@@ -49,13 +49,15 @@ def test_fused_norms_and_activations_decode_the_same_tokens(family, request, mon
     assert set(kinds) == expected | {"kv store"}
 
 
-@pytest.mark.parametrize("split", [False, True])
-@pytest.mark.parametrize("family", ["flan_t5", "whisper"])
-def test_tile_gemm_decodes_a_batch_to_the_same_tokens(family, split, request, monkeypatch):
-    """With ``tuning.tile_gemm``, a batched decode step's products (with its pre-norms and its MLP
-    activation) run in the tile GEMM kernel: three requests decoded together give the tokens
-    they give without it; also with K split in two wherever a configurations file may split it
-    (every product but a LayerNorm prologue's), the engine's counters and partials in play."""
+@pytest.mark.parametrize("family,split,norms", [("flan_t5", False, True), ("flan_t5", True, True),
+                                                ("whisper", False, True), ("whisper", True, True),
+                                                ("flan_t5", False, False)])
+def test_tile_gemm_decodes_a_batch_to_the_same_tokens(family, split, norms, request, monkeypatch):
+    """With ``tuning.tile_gemm``, a batched decode step's products (with its MLP activation, and
+    with ``tile_gemm_norms`` its pre-norms) run in the tile GEMM kernel: three requests decoded
+    together give the tokens they give without it; also with K split in two wherever a
+    configurations file may split it (every product but a LayerNorm prologue's), the engine's
+    counters and partials in play. Without the norms knob no batch's norm reaches the kernel."""
     from enc2dec.kernels import tile_gemm
     path = request.getfixturevalue(family)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -67,6 +69,7 @@ def test_tile_gemm_decodes_a_batch_to_the_same_tokens(family, split, request, mo
         plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         fast_linear.use_skinny_linear(llm.engine.runner.model, fuse=True)
         monkeypatch.setitem(fast_linear._TILE, "on", True)
+        monkeypatch.setitem(fast_linear._TILE, "norms", norms)
         acts = []
         kernel = fast_linear.tile_linear
 
@@ -93,5 +96,7 @@ def test_tile_gemm_decodes_a_batch_to_the_same_tokens(family, split, request, mo
     assert tiled == plain
     if split:       # split where it may: T5's RMSNorm prologues too, not Whisper's LayerNorm ones
         assert 2 in splits and (1 in splits) == (family == "whisper")
-    # plain products, the MLP's activation and the pre-norms all ran in the tile kernel
-    assert {None, *{"flan_t5": ("gelu_tanh", "rms"), "whisper": ("gelu", "layer")}[family]} <= set(acts)
+    # plain products, the MLP's activation and (with the knob) the pre-norms ran in the tile kernel
+    norm = {"flan_t5": "rms", "whisper": "layer"}[family]
+    assert {None, {"flan_t5": "gelu_tanh", "whisper": "gelu"}[family]} <= set(acts)
+    assert (norm in acts) == norms

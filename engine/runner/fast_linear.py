@@ -60,12 +60,13 @@ _GEMV_ACTS = {F.relu: "relu", F.gelu: "gelu", gelu_tanh: "gelu_tanh"}
 # Batched decode products through the tile GEMM kernel instead of cuBLAS where it is the faster
 # (``tile_pays``; ``tuning.tile_gemm``, set only with programmatic launch, which it is made for;
 # process-wide, as programmatic launch).
-_TILE = {"on": False}
+_TILE = {"on": False, "norms": False}
 
 
-def set_tile_gemm(on: bool, configs_file: str = "") -> None:
-    """Process-wide: the tile GEMM on or off, and its measured configurations (``tuning.tile_gemm_configs``)."""
-    _TILE["on"] = bool(on)
+def set_tile_gemm(on: bool, configs_file: str = "", norms: bool = False) -> None:
+    """Process-wide: the tile GEMM on or off, its measured configurations (``tuning.tile_gemm_configs``),
+    and whether batched pre-norms defer into it (``tuning.tile_gemm_norms``)."""
+    _TILE["on"], _TILE["norms"] = bool(on), bool(norms)
     set_configs_file(configs_file)
 
 
@@ -119,9 +120,9 @@ _SKINNY_CLASSES = {nn.Linear: SkinnyLinear, MergedLinear: SkinnyMergedLinear,
 
 
 class DeferredNorm:
-    """Mixed in before a norm class: a one-row call, or with the tile GEMM on a batch of rows it
-    takes (not float16, whose residual stream needs transformers' clamp between the add and the
-    norm), returns the norm as a ``Prologue``."""
+    """Mixed in before a norm class: a one-row call, or with the tile GEMM and its norms on
+    (``tuning.tile_gemm_norms``) a batch of rows it takes (not float16, whose residual stream
+    needs transformers' clamp between the add and the norm), returns the norm as a ``Prologue``."""
 
     def _prologue(self, x: torch.Tensor, residual: torch.Tensor | None) -> Prologue:
         return Prologue(x, residual, norm="rms" if isinstance(self, RMSNorm) else "layer", norm_weight=self.weight,
@@ -131,7 +132,7 @@ class DeferredNorm:
         if x.dtype == torch.float16:
             return False
         # a batch the tile GEMM takes with its norm whatever the projection after it (as [1, K])
-        return _one_row(x) or _tile_rows(x, self.weight.view(1, -1), fused=True)
+        return _one_row(x) or (_TILE["norms"] and _tile_rows(x, self.weight.view(1, -1), fused=True))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | Prologue:
         if self._defers(x):

@@ -185,7 +185,8 @@ class ModelRunner:
         # without programmatic launch the tile GEMM is slower than cuBLAS (docs/benchmarks.md, session 37)
         set_tile_gemm(skinny and tuning.tile_gemm and programmatic_launch_on(device),
                       configs_file_for(tuning.tile_gemm_configs,
-                                       torch.cuda.get_device_name(device) if device.type == "cuda" else ""))
+                                       torch.cuda.get_device_name(device) if device.type == "cuda" else ""),
+                      norms=tuning.tile_gemm_norms)
         if skinny:
             use_skinny_linear(self.model, fuse=tuning.fused_gemv)
         # One kernel path per linear: the skinny GEMV's classes (CUDA, or the interpreter when
