@@ -26,6 +26,7 @@
 #   bash bench/scripts/gpu_session.sh serveprof        # carry .whl .prof: py-spy over serve + 4 bench clients
 #   bash bench/scripts/gpu_session.sh seeded           # flan-t5-large seeded x3, Triton compiles per run
 #   bash bench/scripts/gpu_session.sh tile             # the tile GEMM: tests, configuration sweep, A/B (~9 min)
+#   bash bench/scripts/gpu_session.sh tileab           # the tile GEMM on or off: t5, whisper, bart C=128 (~5 min)
 #   bash bench/scripts/gpu_session.sh budget           # bart-large-cnn's encoder bound per decoding row (~5 min)
 #
 # Why the parts: a call carries at most 64 MiB and whisper-base in bf16 is 147 MB, so it is
@@ -193,6 +194,16 @@ PY
       NUM_REQUESTS_WHISPER=128 AB="base: tile:ENC2DEC_TILE_GEMM=1 cfg:ENC2DEC_TILE_GEMM=1,ENC2DEC_TILE_GEMM_CONFIGS=/tmp/tilecfg.json" \
       bash bench/scripts/real_workloads.sh t5-ab wh-ab
     python bench/scripts/summarize.py /tmp/rw-tile 2>&1 | tail -8 ;;
+  tileab)      # whether the tile GEMM goes on by default: its tests, then flan-t5-large and whisper-large-v3
+               # C=64 and bart-large-cnn C=128 with the defaults (base) and the tile GEMM (tile; batched
+               # pre-norms stay outside it, tuning.tile_gemm_norms off: session 40)
+    setup
+    timeout 60 python -m pytest -q -m gpu tests/test_kernels_gpu.py -k "tile or programmatic" 2>&1 | tail -1
+    ENC2DEC_TILE_GEMM=1 timeout 150 python -m pytest -q -x -m gpu tests/test_gpu_engine.py 2>&1 | tail -1
+    T=ENC2DEC_TILE_GEMM=1
+    OUT=$OUT/tileab WORK=/tmp/rw-tileab TOTAL_S=$((${TILEAB_TOTAL:-560} - SECONDS)) NUM_REQUESTS=192 \
+      NUM_REQUESTS_WHISPER=128 NUM_REQUESTS_BIG=1024 AB="base: tile:$T" bash bench/scripts/real_workloads.sh t5-ab bart-ab wh-ab
+    python bench/scripts/summarize.py /tmp/rw-tileab 2>&1 | tail -8 ;;
   budget)      # issue 19's ITL rule (p99 within 3x p50) for bart-large-cnn 384/128 without losing out tok/s:
                # the encoder bound per decoding row (tuning.encoder_tokens_per_decoding_row, 40) against the
                # default (unbounded) and the fixed bounds that suited one concurrency each (2,048 at C=64,
