@@ -28,6 +28,7 @@
 #   bash bench/scripts/gpu_session.sh tile             # the tile GEMM: tests, configuration sweep, A/B (~9 min)
 #   bash bench/scripts/gpu_session.sh tileab           # the tile GEMM on or off: t5, whisper, bart C=128 (~5 min)
 #   bash bench/scripts/gpu_session.sh budget           # bart-large-cnn's encoder bound per decoding row (~5 min)
+#   bash bench/scripts/gpu_session.sh decide           # tileab and the per-row bound (t5, bart C=64) in one call (~9 min)
 #
 # Why the parts: a call carries at most 64 MiB and whisper-base in bf16 is 147 MB, so it is
 # staged in /tmp over three calls made back to back (a machine that went idle comes back bare:
@@ -204,6 +205,20 @@ PY
     OUT=$OUT/tileab WORK=/tmp/rw-tileab TOTAL_S=$((${TILEAB_TOTAL:-560} - SECONDS)) NUM_REQUESTS=192 \
       NUM_REQUESTS_WHISPER=128 NUM_REQUESTS_BIG=1024 AB="base: tile:$T" bash bench/scripts/real_workloads.sh t5-ab bart-ab wh-ab
     python bench/scripts/summarize.py /tmp/rw-tileab 2>&1 | tail -8 ;;
+  decide)      # the two defaults session 40 left open, in one call: the tile GEMM (t5, whisper, bart C=64 and
+               # C=128) and the encoder bound per decoding row (t5 C=64, bart C=64 beside the fixed 2,048 and C=128)
+    setup
+    timeout 60 python -m pytest -q -m gpu tests/test_kernels_gpu.py -k "tile or programmatic" 2>&1 | tail -1
+    T=ENC2DEC_TILE_GEMM=1 ROW=ENC2DEC_ENCODER_TOKENS_PER_DECODING_ROW=${ROW_TOKENS:-40}
+    C64=--concurrency=64,--max-batch-size=64
+    OUT=$OUT/decide-t5 WORK=/tmp/rw-d1 TOTAL_S=130 NUM_REQUESTS=192 AB="base: tile:$T row:$ROW" \
+      bash bench/scripts/real_workloads.sh warm t5-ab
+    OUT=$OUT/decide-wh WORK=/tmp/rw-d2 TOTAL_S=75 NUM_REQUESTS_WHISPER=128 AB="base: tile:$T" \
+      bash bench/scripts/real_workloads.sh wh-ab
+    OUT=$OUT/decide-bart WORK=/tmp/rw-d3 TOTAL_S=$((${DECIDE_TOTAL:-560} - SECONDS)) NUM_REQUESTS_BIG=1536 \
+      AB="fit: tile:$T row:$ROW c64:$C64 c64tile:$T,$C64 c64row:$ROW,$C64 c64b2k:ENC2DEC_ENCODER_TOKENS_WHILE_DECODING=2048,$C64" \
+      bash bench/scripts/real_workloads.sh bart-ab
+    for w in /tmp/rw-d1 /tmp/rw-d2 /tmp/rw-d3; do python bench/scripts/summarize.py $w 2>&1 | grep -E "^(t5|wh|bart|warm)-"; done ;;
   budget)      # issue 19's ITL rule (p99 within 3x p50) for bart-large-cnn 384/128 without losing out tok/s:
                # the encoder bound per decoding row (tuning.encoder_tokens_per_decoding_row, 40) against the
                # default (unbounded) and the fixed bounds that suited one concurrency each (2,048 at C=64,
