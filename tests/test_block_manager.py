@@ -58,6 +58,22 @@ def test_allocate_beyond_free_raises():
     assert issubclass(BlockAllocationError, RuntimeError)
 
 
+def test_the_most_recently_freed_blocks_are_handed_out_first():
+    """A lazily mapped CPU pool stays at the pages of its high-water mark: requests that come
+    and go reuse the same blocks, in the order a request freed them (a run stays a run)."""
+    pool = BlockPool(100)
+    handed = set()
+    for i in range(50):
+        held = [pool.allocate(2 + i % 3) for _ in range(2)]             # two requests at a time
+        handed.update(b for ids in held for b in ids)
+        for ids in held:
+            pool.free(ids)
+    assert handed == set(range(8))                                      # FIFO would walk all 100
+    ids = pool.allocate(4)
+    pool.free(ids)
+    assert pool.allocate(4) == ids
+
+
 def test_double_free_is_an_assertion():
     pool = BlockPool(4)
     ids = pool.allocate(2)

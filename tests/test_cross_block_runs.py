@@ -12,27 +12,29 @@ def is_run(ids: list[int]) -> bool:
 
 def test_prefer_run_skips_a_straddling_front():
     pool = BlockPool(10)
-    a, b, c = pool.allocate(3), pool.allocate(3), pool.allocate(3)      # 9 stays free
-    pool.free(a)                                                        # free list: 9, 0, 1, 2
+    pool.allocate(10)
+    pool.free([5])
+    pool.free([0, 1, 2])
+    pool.free([7])                                                      # free list: 7, 0, 1, 2, 5
     assert pool.allocate(3, prefer_run=True) == [0, 1, 2]
-    assert pool.num_free_blocks == 1 and pool.ref_count(9) == 0
-    pool.free(b)                                                        # 9, 3, 4, 5
-    assert pool.allocate(3) == [9, 3, 4], "plain allocate keeps FIFO order"
-    pool.free(c)
-    assert not pool.can_allocate(5)
+    assert pool.num_free_blocks == 2 and pool.ref_count(7) == 0
+    pool.free([3])
+    pool.free([4])                                                      # 4, 3, 5, 7
+    assert pool.allocate(3) == [4, 3, 5], "plain allocate takes the most recently freed first"
+    assert not pool.can_allocate(2)
 
 
-def test_prefer_run_falls_back_to_fifo_when_no_run_exists():
+def test_prefer_run_falls_back_to_the_free_lists_order_when_no_run_exists():
     pool = BlockPool(6)
     held = [pool.allocate(1) for _ in range(6)]
-    for ids in held[::2] + held[1::2]:                                  # free list 0, 2, 4, 1, 3, 5
+    for ids in held[::2] + held[1::2]:                                  # free list 5, 3, 1, 4, 2, 0
         pool.free(ids)
     got = pool.allocate(3, prefer_run=True)
     assert len(set(got)) == 3 and all(pool.ref_count(i) == 1 for i in got) and pool.num_free_blocks == 3
 
 
 def test_whisper_like_requests_get_consecutive_cross_blocks():
-    # 5 blocks per request in a pool of 23: FIFO reuse alone straddles two freed runs from
+    # 5 blocks per request in a pool of 23: FIFO reuse alone straddled two freed runs from
     # the fifth admission on.
     tpb, enc_len = 4, 20
     sched = Scheduler(limits(tokens_per_block=tpb, max_batch_size=3), num_self_blocks=400, num_cross_blocks=23)

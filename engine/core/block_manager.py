@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Iterable
 
 # Fragments a run-preferring ``allocate`` moves to the back of the free list before it gives
-# up on a run and takes the blocks in FIFO order.
+# up on a run and takes the blocks in the free list's order.
 MAX_RUN_ROTATIONS = 8
 
 
@@ -40,8 +40,11 @@ class BlockPool:
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
-        # FIFO reuse: a freed block goes to the back, so ids recently used by a
-        # finished request are not handed out again at once (easier to debug stale reads).
+        # The most recently freed blocks are handed out first. A CPU pool is mapped lazily, so
+        # the engine then touches only the pages of its high-water mark, and they are still in
+        # cache; FIFO reuse walked the whole pool (a CPU engine's RSS grew by 12 MB every 8
+        # flan-t5-small requests toward its 4 GiB budget, docs/benchmarks.md session 40). A
+        # request's freed blocks come back at the front in their order, so a run stays a run.
         self._free: deque[int] = deque(range(num_blocks))
         self._ref_counts: list[int] = [0] * num_blocks
         self._peak_used = 0
@@ -96,8 +99,9 @@ class BlockPool:
         the first ``num_blocks`` are one run (at most ``MAX_RUN_ROTATIONS`` moves).
 
         Cross-attention blocks are taken and freed a request at a time, so the free list is
-        mostly whole runs; but once one allocation straddles two of them (the pool's size is not
-        a multiple of the request's), FIFO order keeps every later one straddling. A request
+        mostly whole runs; but once one allocation straddles two of them (requests of other sizes,
+        or a pool whose size is not a multiple of the request's), reuse in order can keep later
+        ones straddling. A request
         whose blocks are one run is read by the torch backend as a view of the pool, where
         scattered blocks are gathered into a copy at every layer of every step (a Whisper clip:
         3 MB per layer)."""
@@ -119,9 +123,14 @@ class BlockPool:
         return block_ids
 
     def free(self, block_ids: Iterable[int]) -> None:
-        """Drop one reference to each block; blocks nobody holds go back to the free list."""
-        for block_id in block_ids:
-            assert self._ref_counts[block_id] > 0, f"double free of block {block_id}"
-            self._ref_counts[block_id] -= 1
-            if self._ref_counts[block_id] == 0:
-                self._free.append(block_id)
+        """Drop one reference to each block; blocks nobody holds go back to the front of the free
+        list, in the order given."""
+        released = []
+        try:
+            for block_id in block_ids:
+                assert self._ref_counts[block_id] > 0, f"double free of block {block_id}"
+                self._ref_counts[block_id] -= 1
+                if self._ref_counts[block_id] == 0:
+                    released.append(block_id)
+        finally:
+            self._free.extendleft(reversed(released))

@@ -21,8 +21,9 @@ _MIB = 1 << 20
 FP8_SCALE_BYTES = 2        # the float16 scale an FP8 pool keeps per position and head
 
 # The CPU budget when ``max_cpu_memory_bytes`` is unset: this share of the memory available at
-# start-up, at most AUTO_CPU_KV_MAX. CPU pools are mapped lazily (``KVCache.allocate``), so the
-# process holds only the blocks it has written, never the whole budget. A fixed 512 MiB held
+# start-up, at most AUTO_CPU_KV_MAX. CPU pools are mapped lazily (``KVCache.allocate``) and blocks
+# are reused most recently freed first (``BlockPool``), so the process holds only the blocks of its
+# high-water mark, not the whole budget. A fixed 512 MiB held
 # whisper-base to 7 windows in flight, and each decode step then re-read the weights for fewer
 # rows (a 300 s file: 16.5 s at 512 MiB, 14.7-15.0 s at 1-4 GiB, the same text).
 AUTO_CPU_KV_SHARE = 0.25
