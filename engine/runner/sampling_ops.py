@@ -143,7 +143,7 @@ def filtered_race_cpu(scores: torch.Tensor, floor: torch.Tensor, top_p: torch.Te
     reference's cumulative sum, so the two can differ only where a token's mass before it
     equals ``top_p`` of the total to float rounding. -> [R] int64"""
     s = scores.float()                                                        # [R, V]
-    rows, vocab = s.shape
+    vocab = s.shape[-1]
     value = _race_values(s, _keys(seeded_keys, fresh_keys))                   # [R, V]
     top = s.max(dim=-1, keepdim=True).values                                  # [R, 1]
     shift = torch.where(torch.isfinite(top), top, torch.zeros_like(top))      # an all -inf row keeps its scores
